@@ -1,0 +1,147 @@
+"""`forerun.Engine`: the library entry point. Loads a target (and a draft), turns text into
+tokens, runs plain or speculative decoding, and turns tokens back into streamed text.
+
+Owns: model loading and the vocabulary check between draft and target, chat templating, stop
+strings, incremental detokenization and the per-generation stats. The decode loops themselves
+live in `forerun.engine` and `forerun.reference` and know nothing of text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from forerun.engine import speculative_decode
+from forerun.metrics import GenerationStats, Step
+from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
+from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model
+from forerun.models.tokenizer import IncrementalDecoder, TextTokenizer
+from forerun.policy import POLICIES
+from forerun.propose import PROPOSERS, SpecConfig
+from forerun.reference import plain_decode
+from forerun.runtime.base import Runtime
+from forerun.sampling import SamplingConfig, make_generator
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    dtype: str = "float32"
+    device: str = "cpu"
+    context: int = DEFAULT_CONTEXT
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str  # new text since the previous chunk
+    token_ids: list[int]
+    step: Step
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+    prompt_tokens: int = 0
+    steps: list[Step] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+                "stats": self.stats.to_dict()}
+
+
+def check_same_vocabulary(target: ModelSource, draft: ModelSource) -> None:
+    """Draft-model speculation compares token ids: the two tokenizers must agree on all of them."""
+    tv, dv = target.tokenizer.vocab, draft.tokenizer.vocab
+    if tv != dv:
+        differ = len(set(tv.items()) ^ set(dv.items()))
+        raise ModelError(
+            f"vocabulary mismatch: draft {draft.name!r} has {len(dv)} tokens, target "
+            f"{target.name!r} has {len(tv)} ({differ} token/id pairs differ). A draft model must "
+            "use the target's tokenizer; pick a draft from the same family or use --method ngram.")
+
+
+class Engine:
+    def __init__(self, target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, *,
+                 spec: SpecConfig | None = None, load: LoadConfig | None = None):
+        spec, load = spec or SpecConfig(), load or LoadConfig()
+        target_src = open_model(target)
+        if target_src.config is None:
+            raise ModelError(f"{target}: architecture not supported by the torch runtime "
+                             "(supported: llama, qwen2)")
+        draft_src = open_model(draft) if draft and spec.method == "draft" else None
+        if draft_src is not None:
+            check_same_vocabulary(target_src, draft_src)  # before any weights load
+        kwargs = {"dtype": load.dtype, "device": load.device, "context": load.context}
+        self._attach(target_src.load(**kwargs), target_src.tokenizer,
+                             draft_src.load(**kwargs) if draft_src else None, spec)
+        self.target_name, self.draft_name = target_src.name, draft_src.name if draft_src else None
+
+    @classmethod
+    def from_runtimes(cls, target: Runtime, tokenizer: TextTokenizer,
+                      draft: Runtime | None = None, spec: SpecConfig | None = None) -> Engine:
+        engine = cls.__new__(cls)
+        engine._attach(target, tokenizer, draft, spec or SpecConfig())
+        engine.target_name, engine.draft_name = "target", "draft" if draft else None
+        return engine
+
+    def _attach(self, target, tokenizer, draft, spec) -> None:
+        self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
+
+    def encode(self, prompt: str | list[int], raw: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        return self.tokenizer.encode_prompt(prompt, raw=raw)
+
+    def stream(self, prompt: str | list[int], *, sampling: SamplingConfig | None = None,
+               max_tokens: int = DEFAULT_MAX_TOKENS, stop: tuple[str, ...] = (),
+               raw: bool = False, spec: SpecConfig | None = None) -> Iterator[Chunk]:
+        """Yield text as it is generated; `spec` overrides the engine's speculation config."""
+        sampling, spec = sampling or SamplingConfig(), spec or self.spec
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        ids = self.encode(prompt, raw)
+        generator = make_generator(sampling.seed)
+        stop_ids = self.tokenizer.stop_ids
+        if spec.method == "none":
+            steps = plain_decode(self.target, ids, sampling, max_tokens, stop_ids, generator)
+        else:
+            proposer = PROPOSERS[spec.method](spec, self.target, self.draft)
+            policy = POLICIES[spec.policy](spec.k)
+            steps = speculative_decode(self.target, proposer, policy, ids, sampling, max_tokens,
+                                       stop_ids, generator)
+        decoder, text = IncrementalDecoder(self.tokenizer), ""
+        for step in steps:
+            delta = decoder.push(step.tokens)
+            text += delta
+            hit = _find_stop(text, stop, len(text) - len(delta))
+            if hit is not None:
+                delta = delta[: len(delta) - (len(text) - hit)]
+                yield Chunk(delta, step.tokens, replace(step, finish_reason="stop"))
+                return
+            yield Chunk(delta, step.tokens, step)
+
+    def generate(self, prompt: str | list[int], **kwargs) -> Completion:
+        spec = kwargs.get("spec") or self.spec
+        start, chunks = time.perf_counter(), []
+        ids = self.encode(prompt, kwargs.get("raw", False))
+        chunks = list(self.stream(ids, **{k: v for k, v in kwargs.items() if k != "raw"}))
+        steps = [c.step for c in chunks]
+        k = spec.k if spec.method != "none" else 0
+        return Completion(
+            text="".join(c.text for c in chunks),
+            token_ids=[t for c in chunks for t in c.token_ids],
+            finish_reason=steps[-1].finish_reason or "length",
+            stats=GenerationStats.from_steps(spec.method, k, start, steps),
+            prompt_tokens=len(ids), steps=steps)
+
+
+def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> int | None:
+    """Index where the earliest stop string begins, looking only where new text could match."""
+    hits = [i for s in stops if s and (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
+    return min(hits) if hits else None

@@ -1,0 +1,223 @@
+"""Opening models from any source a user has: catalog name, GGUF file, HF directory, HF hub id.
+
+Owns: resolving a source string to a `ModelSource` (config + tokenizer, cheap to open) and
+turning it into a runtime (weights dequantized to the requested dtype). Opening is split from
+loading so that checks such as a draft/target vocabulary mismatch fail before gigabytes load.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from forerun.models.catalog import CATALOG, ModelError, lookup, pull
+from forerun.models.tokenizer import TextTokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+from forerun.runtime.base import ModelConfig
+from forerun.runtime.torch_model import TorchRuntime, Transformer
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DEFAULT_CONTEXT = 4096  # KV cache slots allocated unless the caller asks for more
+
+# GGUF tensor name -> canonical name (see forerun.runtime.torch_model.CANONICAL_NAMES)
+GGUF_NAMES = {
+    "token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head",
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
+    "attn_v.weight": "wv", "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+    "attn_output.weight": "wo", "ffn_norm.weight": "ffn_norm", "ffn_gate.weight": "w_gate",
+    "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+}
+HF_NAMES = {
+    "model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head",
+    "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
+    "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
+    "self_attn.o_proj.weight": "wo", "post_attention_layernorm.weight": "ffn_norm",
+    "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+}
+
+
+@dataclass
+class ModelSource:
+    """An opened model: its shape and tokenizer are known, its weights not yet read."""
+
+    name: str
+    kind: str  # "gguf" or "hf"
+    path: Path
+    config: ModelConfig
+    tokenizer: TextTokenizer
+
+    def load(self, *, dtype: str = "float32", device: str = "cpu",
+             context: int = DEFAULT_CONTEXT) -> TorchRuntime:
+        if dtype not in DTYPES:
+            raise ModelError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        torch_dtype = DTYPES[dtype]
+        weights = (_gguf_weights if self.kind == "gguf" else _hf_weights)(self, torch_dtype)
+        with torch.device("meta"):
+            model = Transformer(self.config)
+        model = model.to_empty(device=device).to(torch_dtype)
+        model.load_canonical({k: v.to(device) for k, v in weights.items()})
+        return TorchRuntime(model.eval(), capacity=context)
+
+
+def open_model(source: str) -> ModelSource:
+    """Resolve a catalog name, a .gguf path, a HF directory or a HF hub id."""
+    path = Path(source).expanduser()
+    if source in CATALOG:
+        return _open_gguf(source, pull(source))
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelError(f"{path} is not a .gguf file")
+        return _open_gguf(path.stem, path)
+    if path.is_dir():
+        return _open_hf_dir(path.name, path)
+    if path.suffix == ".gguf" or source.startswith((".", "/", "~")):
+        raise ModelError(f"no such file or directory: {path}")
+    if source.count("/") == 1:
+        return _open_hf_dir(source, _hub_snapshot(source))
+    lookup(source)  # not a catalog name either: raises the error listing the known models
+    raise AssertionError("unreachable")
+
+
+# --- GGUF ---------------------------------------------------------------------------------------
+
+def _gguf_fields(reader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            out[key] = field.contents()
+        except Exception:  # unreadable or irrelevant metadata types
+            continue
+    return out
+
+
+def _open_gguf(name: str, path: Path) -> ModelSource:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:
+        raise ModelError(f"{path} is not a readable GGUF file: {e}") from e
+    fields = _gguf_fields(reader)
+    arch = fields.get("general.architecture")
+    tokenizer = tokenizer_from_gguf(fields) if arch in SUPPORTED_ARCHS else _foreign(fields, arch)
+    if arch not in SUPPORTED_ARCHS:
+        return ModelSource(name, "gguf", path, None, tokenizer)  # tokenizer-only (vocab checks)
+    names = {t.name for t in reader.tensors}
+
+    def f(key: str):
+        return fields[f"{arch}.{key}"]
+
+    n_vocab = fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"])
+    ffn = f("feed_forward_length")
+    config = ModelConfig(
+        arch=arch, vocab_size=n_vocab, dim=f("embedding_length"), n_layers=f("block_count"),
+        n_heads=f("attention.head_count"), n_kv_heads=f("attention.head_count_kv"),
+        ffn_dim=ffn, rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+        norm_eps=float(f("attention.layer_norm_rms_epsilon")),
+        context_length=f("context_length"), qkv_bias="blk.0.attn_q.bias" in names,
+        tied_embeddings="output.weight" not in names)
+    return ModelSource(name, "gguf", path, config, tokenizer)
+
+
+def _foreign(fields: dict, arch) -> TextTokenizer:
+    """A model we cannot run: still read its tokenizer so vocabulary checks can name it."""
+    try:
+        return tokenizer_from_gguf(fields)
+    except ModelError:
+        from tokenizers import Tokenizer
+        from tokenizers.models import WordLevel
+
+        vocab = {t: i for i, t in enumerate(fields.get("tokenizer.ggml.tokens", []))}
+        return TextTokenizer(Tokenizer(WordLevel(vocab, unk_token=None)), None, None, None,
+                             False, frozenset())
+
+
+def _gguf_weights(src: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    import gguf
+
+    cfg = src.config
+    weights = {}
+    for t in gguf.GGUFReader(src.path).tensors:
+        array = gguf.quants.dequantize(t.data, t.tensor_type)  # float32, [out, in] order
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            layer, key = int(parts[1]), ".".join(parts[2:])
+            if key not in GGUF_NAMES:
+                continue
+            name = f"layers.{layer}.{GGUF_NAMES[key]}"
+        elif t.name in GGUF_NAMES:
+            name = GGUF_NAMES[t.name]
+        else:
+            continue
+        if cfg.arch == "llama" and name.endswith((".wq", ".wk")):
+            # llama.cpp's converter interleaves q/k rows for its RoPE; undo to the HF layout.
+            heads = cfg.n_heads if name.endswith(".wq") else cfg.n_kv_heads
+            array = _unpermute(array, heads)
+        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)  # copy: mmap is read-only
+    return weights
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+             .swapaxes(1, 2).reshape(w.shape))
+
+
+# --- Hugging Face -------------------------------------------------------------------------------
+
+def _hub_snapshot(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=[
+            "*.json", "*.safetensors", "tokenizer*", "*.jinja"]))
+    except Exception as e:  # offline, unknown repo, gated, ...
+        known = ", ".join(sorted(CATALOG))
+        raise ModelError(f"could not fetch {repo_id!r} from the Hugging Face hub "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Use a catalog "
+                         f"name ({known}), a local .gguf file or a local HF directory.") from e
+
+
+def _open_hf_dir(name: str, path: Path) -> ModelSource:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"{path} has no config.json; expected a Hugging Face model directory")
+    hf = json.loads(config_file.read_text())
+    arch = hf.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelError(f"{path}: model_type {arch!r} not supported ({', '.join(SUPPORTED_ARCHS)})")
+    config = ModelConfig(
+        arch=arch, vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        ffn_dim=hf["intermediate_size"], rope_theta=float(hf.get("rope_theta", 10000.0)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        context_length=hf.get("max_position_embeddings", DEFAULT_CONTEXT),
+        qkv_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    return ModelSource(name, "hf", path, config, tokenizer_from_hf_dir(path))
+
+
+def _hf_weights(src: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(src.path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{src.path} has no .safetensors files")
+    weights = {}
+    for file in files:
+        for key, tensor in load_file(file).items():
+            if key.startswith("model.layers."):
+                parts = key.split(".")
+                sub = ".".join(parts[3:])
+                if sub in HF_NAMES:
+                    weights[f"layers.{parts[2]}.{HF_NAMES[sub]}"] = tensor.to(dtype)
+            elif key in HF_NAMES:
+                weights[HF_NAMES[key]] = tensor.to(dtype)
+    return weights

@@ -1,0 +1,54 @@
+"""Draft-model speculation: a smaller model with the same tokenizer proposes k tokens
+autoregressively, sampled from its own distribution q under the same sampling settings.
+
+Owns: the draft model's KV cache bookkeeping. Invariant: the draft cache holds the first
+`runtime.length` tokens of the sequence; `propose` feeds whatever is missing (the pending token,
+or two after a fully accepted draft), then one token per step; `commit` truncates the cache to
+the tokens that verification kept, so rejected drafts cost nothing to undo.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forerun.propose.base import Draft
+from forerun.runtime.base import Runtime
+from forerun.sampling import logits_to_probs, sample
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, runtime: Runtime, target_vocab_size: int):
+        self.runtime, self.vocab_size = runtime, target_vocab_size
+
+    def prefill(self, prompt: list[int]) -> None:
+        self.runtime.truncate(0)
+        if len(prompt) > 1:
+            self.runtime.forward(torch.tensor(prompt[:-1]), last_only=True)
+
+    def propose(self, tokens, k, sampling, generator) -> Draft:
+        if k == 0:
+            return Draft.empty()
+        missing = torch.tensor(tokens[self.runtime.length:])  # [M >= 1]
+        drafted, q = [], []
+        for _ in range(k):
+            logits = self.runtime.forward(missing, last_only=True).logits[-1]  # [V_draft]
+            probs = logits_to_probs(self._to_target_vocab(logits), sampling)  # [V]
+            token = sample(probs, generator)
+            drafted.append(token)
+            q.append(probs)
+            missing = token.view(1)
+        return Draft(torch.stack(drafted), torch.stack(q))  # [K], [K, V]
+
+    def commit(self, num_final: int) -> None:
+        self.runtime.truncate(min(self.runtime.length, num_final))
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Pad or cut the draft's logits to the target's vocabulary size (same tokenizer)."""
+        size = logits.shape[-1]
+        if size == self.vocab_size:
+            return logits
+        if size > self.vocab_size:
+            return logits[: self.vocab_size]
+        return torch.cat([logits, logits.new_full((self.vocab_size - size,), float("-inf"))])

@@ -1,0 +1,40 @@
+"""Plain autoregressive decoding: the oracle every speculative method must match, and the
+baseline every speedup is measured against. Deliberately the obvious loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterator
+
+import torch
+
+from forerun.metrics import Step
+from forerun.runtime.base import Runtime
+from forerun.sampling import SamplingConfig, logits_to_probs, sample
+from forerun.stopping import check_prompt, cut
+
+
+def prefill(target: Runtime, prompt: list[int], sampling: SamplingConfig,
+            generator: torch.Generator) -> int:
+    """Fill the target's cache with the prompt and sample the first new token."""
+    check_prompt(prompt, target.capacity)
+    target.truncate(0)
+    logits = target.forward(torch.tensor(prompt), last_only=True).logits  # [1, V]
+    return int(sample(logits_to_probs(logits[-1], sampling), generator))
+
+
+def plain_decode(target: Runtime, prompt: list[int], sampling: SamplingConfig,
+                 max_new_tokens: int, stop_ids: Collection[int],
+                 generator: torch.Generator) -> Iterator[Step]:
+    token = prefill(target, prompt, sampling, generator)
+    emitted, is_prefill = 0, True
+    while True:
+        room = target.capacity - len(prompt) - emitted
+        out, finish = cut([token], stop_ids, max_new_tokens - emitted, room)
+        emitted += len(out)
+        yield Step(out, 0, 0, time.perf_counter(), finish, prefill=is_prefill)
+        if finish:
+            return
+        logits = target.forward(torch.tensor([token])).logits  # [1, V]
+        token, is_prefill = int(sample(logits_to_probs(logits[-1], sampling), generator)), False

@@ -1,0 +1,70 @@
+"""The Runtime protocol: what the engine, verifier and proposers may ask of a model backend.
+
+Owns: the seam between speculative decoding and the code that runs a transformer.
+A runtime holds one sequence (batch 1) and its KV cache. Tokens are appended at the end of the
+cache; `truncate(n)` rolls back to the first n cache slots, which is free for a static cache.
+Never samples, never tokenizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder; read from GGUF metadata or a HF config.json."""
+
+    arch: str  # "llama" or "qwen2"
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    rope_theta: float
+    norm_eps: float
+    context_length: int
+    qkv_bias: bool
+    tied_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [T, V] float32 (float64 for float64 models); [1, V] if last_only
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, D]
+
+
+class Runtime(Protocol):
+    config: ModelConfig
+
+    @property
+    def length(self) -> int:
+        """Number of tokens whose keys and values are in the cache."""
+        ...
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens the cache can hold (the usable context length)."""
+        ...
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [T] int64, appended at cache slots length .. length+T-1
+        *,
+        positions: torch.Tensor | None = None,  # [T]; default: the slots (a chain)
+        tree_mask: torch.Tensor | None = None,  # [T, T] bool among the new tokens; default causal
+        last_only: bool = False,  # logits for the last token only (prefill)
+        hidden_layers: tuple[int, ...] = (),  # layer outputs to return; -1 = final normed
+    ) -> ForwardOutput: ...
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` cache slots; later slots are overwritten by the next forward."""
+        ...

@@ -1,0 +1,175 @@
+"""A compact Llama-family transformer (Llama, SmolLM2, Qwen2) with a static KV cache, in PyTorch.
+
+Owns: the network (RMSNorm, RoPE, GQA attention with optional qkv bias, SwiGLU, tied or separate
+LM head), the position-indexed KV cache, and `TorchRuntime`, the Runtime over both.
+Weights arrive as a dict of canonical names (see `CANONICAL_NAMES`) from `forerun.models.load`;
+q/k/v and gate/up are fused here into one matmul each, which is what the CPU likes.
+
+Invariants: the cache is allocated once (`capacity` slots); cache slot i holds the token appended
+i-th, so rollback is setting `length`; attention of a new token sees every cached slot before the
+new block plus the new tokens its mask allows (causal for chains, explicit for trees).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forerun.runtime.base import ForwardOutput, ModelConfig
+
+# Canonical parameter names a loader must provide; "{i}" is the layer index.
+CANONICAL_NAMES = (
+    "embed", "norm", "lm_head",
+    "layers.{i}.attn_norm", "layers.{i}.wq", "layers.{i}.wk", "layers.{i}.wv",
+    "layers.{i}.bq", "layers.{i}.bk", "layers.{i}.bv", "layers.{i}.wo",
+    "layers.{i}.ffn_norm", "layers.{i}.w_gate", "layers.{i}.w_up", "layers.{i}.w_down",
+)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float() if x.dtype != torch.float64 else x
+    out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return out.to(x.dtype) * weight
+
+
+def rope_tables(cfg: ModelConfig, length: int, dtype: torch.dtype, device) -> tuple:
+    """cos/sin tables [length, head_dim] for the rotate-half (NeoX / HF) layout."""
+    compute = torch.float64
+    inv_freq = 1.0 / (cfg.rope_theta ** (
+        torch.arange(0, cfg.head_dim, 2, dtype=compute, device=device) / cfg.head_dim))
+    angles = torch.outer(torch.arange(length, dtype=compute, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)  # [length, head_dim]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [H, T, hd]; cos, sin: [T, hd]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.q_size, self.kv_size = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        self.attn_norm = nn.Parameter(torch.ones(cfg.dim))
+        self.wqkv = nn.Linear(cfg.dim, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.q_size, cfg.dim, bias=False)
+        self.ffn_norm = nn.Parameter(torch.ones(cfg.dim))
+        self.w_gate_up = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
+        # x: [T, D]; k_cache, v_cache: [Hkv, capacity, hd]; mask: [T, start+T] bool or None
+        cfg, T = self.cfg, x.shape[0]
+        qkv = self.wqkv(rms_norm(x, self.attn_norm, cfg.norm_eps))  # [T, (H+2Hkv)*hd]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, cfg.n_heads, -1).transpose(0, 1), cos, sin)  # [H, T, hd]
+        k = apply_rope(k.view(T, cfg.n_kv_heads, -1).transpose(0, 1), cos, sin)  # [Hkv, T, hd]
+        k_cache[:, start:start + T] = k
+        v_cache[:, start:start + T] = v.view(T, cfg.n_kv_heads, -1).transpose(0, 1)
+        keys, values = k_cache[:, :start + T], v_cache[:, :start + T]  # [Hkv, S, hd]
+        attn = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask, enable_gqa=True)  # [1, H, T, hd]
+        x = x + self.wo(attn[0].transpose(0, 1).reshape(T, self.q_size))
+        gate, up = self.w_gate_up(rms_norm(x, self.ffn_norm, cfg.norm_eps)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.dim))
+        self.lm_head = None if cfg.tied_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, False)
+
+    def lm_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def load_canonical(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy canonical (unfused) weights in, fusing q/k/v and gate/up."""
+        self.embed.weight.copy_(weights["embed"])
+        self.norm.copy_(weights["norm"])
+        if self.lm_head is not None:
+            self.lm_head.weight.copy_(weights["lm_head"])
+        for i, layer in enumerate(self.layers):
+            w = {name.split(".")[-1]: t for name, t in weights.items()
+                 if name.startswith(f"layers.{i}.")}
+            layer.attn_norm.copy_(w["attn_norm"])
+            layer.wqkv.weight.copy_(torch.cat([w["wq"], w["wk"], w["wv"]]))
+            if layer.wqkv.bias is not None:
+                layer.wqkv.bias.copy_(torch.cat([w["bq"], w["bk"], w["bv"]]))
+            layer.wo.weight.copy_(w["wo"])
+            layer.ffn_norm.copy_(w["ffn_norm"])
+            layer.w_gate_up.weight.copy_(torch.cat([w["w_gate"], w["w_up"]]))
+            layer.w_down.weight.copy_(w["w_down"])
+
+
+class TorchRuntime:
+    """Runtime over our Transformer: one sequence, a static KV cache of `capacity` slots."""
+
+    def __init__(self, model: Transformer, capacity: int):
+        cfg = model.cfg
+        self.config, self.model = cfg, model
+        param = model.embed.weight
+        self.dtype, self.device = param.dtype, param.device
+        self._capacity = min(capacity, cfg.context_length)
+        shape = (cfg.n_layers, cfg.n_kv_heads, self._capacity, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.cos, self.sin = rope_tables(cfg, self._capacity, self.dtype, self.device)
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
+        self._length = length
+
+    @torch.inference_mode()
+    def forward(self, tokens, *, positions=None, tree_mask=None, last_only=False,
+                hidden_layers=()) -> ForwardOutput:
+        start, T = self._length, tokens.shape[0]
+        if start + T > self._capacity:
+            raise ValueError(f"context full: {start} + {T} tokens > capacity {self._capacity}")
+        tokens = tokens.to(self.device)
+        if positions is None:
+            positions = torch.arange(start, start + T, device=self.device)
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]
+        mask = self._mask(start, T, tree_mask)
+        x = self.model.embed(tokens)  # [T, D]
+        hidden = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, self.k_cache[i], self.v_cache[i], start, mask)
+            if i in hidden_layers:
+                hidden[i] = x
+        x = rms_norm(x[-1:] if last_only else x, self.model.norm, self.config.norm_eps)
+        if -1 in hidden_layers:
+            hidden[-1] = x
+        logits = F.linear(x, self.model.lm_weight())  # [T, V]
+        self._length = start + T
+        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        return ForwardOutput(logits.to(out_dtype), hidden)
+
+    def _mask(self, start: int, T: int, tree_mask) -> torch.Tensor | None:
+        """[T, start+T] bool: every cached slot, then causal (or the tree) among the new tokens."""
+        if T == 1 and tree_mask is None:
+            return None
+        new = tree_mask if tree_mask is not None else torch.ones(T, T, dtype=torch.bool).tril()
+        prefix = torch.ones(T, start, dtype=torch.bool)
+        return torch.cat([prefix, new.bool()], dim=1).to(self.device)

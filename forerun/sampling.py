@@ -1,0 +1,75 @@
+"""Logits -> probabilities -> tokens. Pure functions; randomness comes in as a torch.Generator.
+
+Owns: the sampling configuration and its validation, the temperature / top-k / top-p / min-p
+transforms, and drawing a token. Temperature 0 is greedy: the distribution is one-hot on the
+argmax (first index on ties), so greedy decoding is the T = 0 case of everything downstream,
+rejection sampling included.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+class SamplingError(ValueError):
+    """An invalid sampling parameter."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise SamplingError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not (0 <= self.min_p < 1):
+            raise SamplingError(f"min_p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """[..., V] logits -> [..., V] probabilities under the sampling configuration."""
+    if cfg.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = logits.softmax(-1)
+    if cfg.top_p < 1:
+        sorted_p, order = probs.sort(-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p  # [..., V] mass of strictly better tokens
+        drop_sorted = mass_before >= cfg.top_p  # always keeps the top token
+        probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
+    if cfg.min_p > 0:
+        probs = probs.masked_fill(probs < cfg.min_p * probs.amax(-1, keepdim=True), 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draw one token per row: [..., V] -> [...] int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
