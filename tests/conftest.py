@@ -1,0 +1,43 @@
+"""Tiny in-process random models (float64) for exact tests; real models live in test_real_models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forerun.runtime.base import ModelConfig
+from forerun.runtime.torch_model import TorchRuntime, Transformer
+
+
+def tiny_config(vocab: int = 64, arch: str = "qwen2", **overrides) -> ModelConfig:
+    base = dict(arch=arch, vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                ffn_dim=64, rope_theta=10000.0, norm_eps=1e-6, context_length=256,
+                qkv_bias=arch == "qwen2", tied_embeddings=False)
+    return ModelConfig(**{**base, **overrides})
+
+
+def tiny_model(seed: int, vocab: int = 64, scale: float = 1.0, noise: float = 0.0,
+               **overrides) -> Transformer:
+    """A random model; `scale` sharpens (>1) or flattens (<1) its next-token distributions;
+    `noise` > 0 perturbs it (a draft that agrees with the seed's model often, not always)."""
+    torch.manual_seed(seed)
+    model = Transformer(tiny_config(vocab, **overrides)).double().eval()
+    with torch.no_grad():  # wide weights so that outputs depend on the context, not a copy
+        for name, param in model.named_parameters():
+            if name.endswith("weight") and param.dim() == 2:
+                param.normal_(0, 2.0 / param.shape[1] ** 0.5)
+        model.norm.mul_(scale)
+        torch.manual_seed(seed + 1000)
+        for param in model.parameters():
+            param.add_(noise * torch.randn_like(param) * param.std())
+    return model
+
+
+def tiny_runtime(seed: int, vocab: int = 64, capacity: int = 256, **kw) -> TorchRuntime:
+    """`kw` as for tiny_model (scale, noise) plus ModelConfig overrides."""
+    return TorchRuntime(tiny_model(seed, vocab, **kw), capacity=capacity)
+
+
+@pytest.fixture
+def make_runtime():
+    return tiny_runtime

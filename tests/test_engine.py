@@ -1,0 +1,117 @@
+"""Greedy losslessness: speculative output == plain output, token for token, for every proposer,
+several k, both length policies, prompts with and without n-gram matches, drafts that agree and
+drafts that disagree often."""
+
+import pytest
+import torch
+from conftest import tiny_runtime
+
+from forerun.engine import speculative_decode
+from forerun.policy import POLICIES
+from forerun.propose import PROPOSERS, SpecConfig
+from forerun.reference import plain_decode
+from forerun.sampling import SamplingConfig, make_generator
+from forerun.stopping import ContextError
+
+PROMPTS = {
+    "repetitive": [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3],  # n-gram lookup finds matches
+    "no-match": [10, 20, 30, 40, 50, 60],  # all distinct: nothing to look up at first
+}
+MAX_NEW = 40
+
+
+def plain(seed=0, prompt=(), max_new=MAX_NEW, stop=(), capacity=256):
+    rt = tiny_runtime(seed, capacity=capacity)
+    steps = plain_decode(rt, list(prompt), SamplingConfig(), max_new, stop, make_generator(0))
+    return [t for s in steps for t in s.tokens]
+
+
+def speculative(method, k, policy="fixed", prompt=(), draft_seed=0, max_new=MAX_NEW, stop=(),
+                capacity=256, target_seed=0, noise=0.05):
+    """Default draft: the target perturbed by noise, so it agrees often but not always."""
+    target = tiny_runtime(target_seed, capacity=capacity)
+    draft = tiny_runtime(draft_seed, capacity=capacity, noise=noise)
+    spec = SpecConfig(method, k, policy)
+    proposer = PROPOSERS[method](spec, target, draft)
+    steps = list(speculative_decode(target, proposer, POLICIES[policy](k), list(prompt),
+                                    SamplingConfig(), max_new, stop, make_generator(0)))
+    return [t for s in steps for t in s.tokens], steps
+
+
+@pytest.mark.parametrize("method", list(PROPOSERS))
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_greedy_speculative_equals_plain(method, k, policy, prompt):
+    expected = plain(prompt=PROMPTS[prompt])
+    got, steps = speculative(method, k, policy, PROMPTS[prompt])
+    assert got == expected
+    assert len(got) == MAX_NEW
+
+
+def test_agreeing_draft_accepts_some_and_rejects_some():
+    got, steps = speculative("draft", 5, prompt=PROMPTS["no-match"])
+    accepted, drafted = sum(s.accepted for s in steps), sum(s.drafted for s in steps)
+    assert 0 < accepted < drafted
+
+
+def test_disagreeing_draft_still_exact_and_rejects_often():
+    got, steps = speculative("draft", 5, prompt=PROMPTS["no-match"], draft_seed=7)
+    assert got == plain(prompt=PROMPTS["no-match"])
+    drafted = sum(s.drafted for s in steps)
+    assert sum(s.accepted for s in steps) < drafted / 2  # the case really exercises rejection
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_equal_to_target_accepts_everything(temperature):
+    target, draft = tiny_runtime(0), tiny_runtime(0)
+    sampling = SamplingConfig(temperature=temperature)
+    proposer = PROPOSERS["draft"](SpecConfig("draft", 4), target, draft)
+    steps = list(speculative_decode(target, proposer, POLICIES["fixed"](4), PROMPTS["no-match"],
+                                    sampling, 41, (), make_generator(0)))
+    verify = steps[1:]
+    assert all(s.accepted == s.drafted == 4 for s in verify)
+    assert sum(len(s.tokens) for s in steps) == 41  # 1 + 8 steps x 5 tokens
+
+
+def test_stop_token_and_budget_match_plain():
+    expected = plain(prompt=PROMPTS["repetitive"], max_new=60)
+    stop = {expected[17]}  # a token that occurs mid-generation
+    cut_at = expected.index(expected[17])
+    got, steps = speculative("ngram", 5, prompt=PROMPTS["repetitive"], max_new=60, stop=stop)
+    assert got == expected[:cut_at] == plain(prompt=PROMPTS["repetitive"], max_new=60, stop=stop)
+    assert steps[-1].finish_reason == "stop"
+    got, steps = speculative("draft", 5, prompt=PROMPTS["repetitive"], max_new=7)
+    assert got == expected[:7] and steps[-1].finish_reason == "length"
+
+
+def test_context_limit_ends_generation_identically():
+    prompt = PROMPTS["no-match"]
+    expected = plain(prompt=prompt, capacity=20)
+    got, steps = speculative("draft", 5, prompt=prompt, capacity=20, noise=0.0)
+    assert got == expected and len(prompt) + len(got) == 20
+    assert steps[-1].finish_reason == "length"
+
+
+def test_prompt_longer_than_context_fails_clearly():
+    with pytest.raises(ContextError, match="the prompt has 30 tokens"):
+        speculative("ngram", 3, prompt=list(range(30)), capacity=16)
+
+
+def test_seeded_sampling_reproduces():
+    def run():
+        target, draft = tiny_runtime(0), tiny_runtime(1)
+        proposer = PROPOSERS["draft"](SpecConfig("draft", 3), target, draft)
+        steps = speculative_decode(target, proposer, POLICIES["fixed"](3), [1, 2, 3],
+                                   SamplingConfig(temperature=1.0), 30, (), make_generator(5))
+        return [t for s in steps for t in s.tokens]
+    assert run() == run()
+
+
+def test_unknown_method_is_rejected():
+    with pytest.raises(ValueError, match="unknown method"):
+        SpecConfig("medusa")
+
+
+def test_tiny_model_logits_are_float64():
+    assert tiny_runtime(0).forward(torch.tensor([1])).logits.dtype == torch.float64

@@ -1,0 +1,121 @@
+"""Losslessness under sampling, by exact enumeration.
+
+On a 6-token vocabulary we compute the target's exact joint distribution of the next
+NEW_TOKENS tokens (under each sampling configuration) and compare it with the empirical
+distribution of speculative decoding over RUNS seeded runs, with a chi-square test (cells whose
+expected count is below 5 pooled). Each check fails by chance with probability ALPHA = 1e-4;
+with the 8 checks below the suite's false-failure probability is below 1e-3. A deliberately
+broken verifier (accept every draft token) must fail the same test: the test has power.
+"""
+
+import itertools
+
+import pytest
+import torch
+from conftest import tiny_runtime
+from scipy.stats import chisquare
+
+import forerun.engine
+from forerun.engine import speculative_decode
+from forerun.policy import FixedK
+from forerun.propose import PROPOSERS, SpecConfig
+from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
+from forerun.verify import Verdict
+
+V, NEW_TOKENS, RUNS, ALPHA = 6, 3, 3000, 1e-4
+PROMPT = [1, 2, 3, 1, 2]  # repeats, so n-gram lookup proposes something
+
+
+def target_model():
+    return tiny_runtime(0, vocab=V, scale=0.4)
+
+
+def draft_model():
+    return tiny_runtime(0, vocab=V, scale=0.4, noise=0.5)
+
+
+def exact_joint(sampling: SamplingConfig) -> dict[tuple, float]:
+    rt, joint = target_model(), {}
+    cond = {}
+    for n in range(NEW_TOKENS):
+        for prefix in itertools.product(range(V), repeat=n):
+            rt.truncate(0)
+            logits = rt.forward(torch.tensor(PROMPT + list(prefix))).logits[-1]
+            cond[prefix] = logits_to_probs(logits, sampling)
+    for seq in itertools.product(range(V), repeat=NEW_TOKENS):
+        prob = 1.0
+        for i, tok in enumerate(seq):
+            prob *= float(cond[seq[:i]][tok])
+        joint[seq] = prob
+    return joint
+
+
+def empirical(method: str, k: int, sampling: SamplingConfig) -> dict[tuple, int]:
+    target, draft = target_model(), draft_model()
+    proposer = PROPOSERS[method](SpecConfig(method, k), target, draft)
+    generator, counts = make_generator(2024), {}
+    for _ in range(RUNS):
+        steps = speculative_decode(target, proposer, FixedK(k), PROMPT, sampling, NEW_TOKENS,
+                                   (), generator)
+        seq = tuple(t for s in steps for t in s.tokens)
+        counts[seq] = counts.get(seq, 0) + 1
+    return counts
+
+
+def chi_square_pvalue(joint: dict, counts: dict) -> float:
+    observed, expected, pooled_o, pooled_e = [], [], 0.0, 0.0
+    for seq, prob in joint.items():
+        if prob * RUNS >= 5:
+            observed.append(counts.get(seq, 0))
+            expected.append(prob * RUNS)
+        else:
+            pooled_o += counts.get(seq, 0)
+            pooled_e += prob * RUNS
+    impossible = sum(c for seq, c in counts.items() if joint[seq] == 0)
+    assert impossible == 0, "sampled a sequence the target gives probability 0"
+    if pooled_e > 0:
+        observed.append(pooled_o)
+        expected.append(pooled_e)
+    assert sum(observed) == RUNS
+    return chisquare(observed, expected).pvalue
+
+
+SAMPLINGS = {
+    "temperature": SamplingConfig(temperature=1.0),
+    "low-temperature+top-p": SamplingConfig(temperature=0.7, top_p=0.8),
+    "top-k": SamplingConfig(temperature=1.3, top_k=3),
+}
+CASES = [("draft", 2, "temperature"), ("draft", 3, "low-temperature+top-p"),
+         ("draft", 2, "top-k"), ("ngram", 2, "temperature"), ("ngram", 3, "top-k"),
+         ("ngram", 2, "low-temperature+top-p")]
+
+
+@pytest.mark.parametrize(("method", "k", "sampling"), CASES)
+def test_speculative_sampling_matches_target_joint(method, k, sampling):
+    cfg = SAMPLINGS[sampling]
+    assert chi_square_pvalue(exact_joint(cfg), empirical(method, k, cfg)) > ALPHA
+
+
+def test_draft_matches_target_joint_with_adaptive_k():
+    cfg = SAMPLINGS["temperature"]
+    target, draft = target_model(), draft_model()
+    proposer = PROPOSERS["draft"](SpecConfig("draft", 1), target, draft)
+    generator, counts = make_generator(7), {}
+    from forerun.policy import AdaptiveK
+
+    for _ in range(RUNS):
+        steps = speculative_decode(target, proposer, AdaptiveK(1), PROMPT, cfg, NEW_TOKENS, (),
+                                   generator)
+        seq = tuple(t for s in steps for t in s.tokens)
+        counts[seq] = counts.get(seq, 0) + 1
+    assert chi_square_pvalue(exact_joint(cfg), counts) > ALPHA
+
+
+def test_a_broken_verifier_fails_the_same_test(monkeypatch):
+    def accept_everything(draft_tokens, p, q, generator):
+        bonus = int(torch.multinomial(p[-1], 1, generator=generator))
+        return Verdict([*draft_tokens.tolist(), bonus], draft_tokens.shape[0])
+
+    monkeypatch.setattr(forerun.engine, "rejection_sample", accept_everything)
+    cfg = SAMPLINGS["temperature"]
+    assert chi_square_pvalue(exact_joint(cfg), empirical("draft", 2, cfg)) < ALPHA

@@ -1,0 +1,48 @@
+"""The torch runtime's KV cache: chains, rollback and tree masks agree with plain forwards."""
+
+import torch
+from conftest import tiny_runtime
+
+
+def test_block_forward_equals_token_by_token():
+    tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    a = tiny_runtime(0)
+    block = a.forward(tokens).logits  # [8, V]
+    b = tiny_runtime(0)
+    single = torch.cat([b.forward(t.view(1)).logits for t in tokens])
+    assert torch.allclose(block, single, atol=1e-10)
+    assert a.length == b.length == 8
+
+
+def test_truncate_round_trips():
+    rt = tiny_runtime(1)
+    rt.forward(torch.tensor([1, 2, 3]))
+    first = rt.forward(torch.tensor([4, 5])).logits
+    rt.truncate(3)
+    rt.forward(torch.tensor([7, 7, 7]))  # overwrite the slots with something else
+    rt.truncate(3)
+    again = rt.forward(torch.tensor([4, 5])).logits
+    assert torch.allclose(first, again, atol=1e-12) and rt.length == 5
+
+
+def test_last_only_and_hidden_states():
+    rt = tiny_runtime(2)
+    out = rt.forward(torch.tensor([1, 2, 3]), last_only=True, hidden_layers=(0, -1))
+    assert out.logits.shape == (1, 64)
+    assert out.hidden[0].shape == (3, 32) and out.hidden[-1].shape == (1, 32)
+
+
+def test_tree_mask_with_explicit_positions():
+    """Two sibling branches after a shared prefix: each branch sees only its own ancestors."""
+    prefix = torch.tensor([5, 6, 7])
+    rt = tiny_runtime(3)
+    rt.forward(prefix)
+    # nodes: 0 = token 8 (depth 0), 1 = token 9 child of 0, 2 = token 10 child of 0 (sibling of 1)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    tree = rt.forward(torch.tensor([8, 9, 10]), positions=torch.tensor([3, 4, 4]),
+                      tree_mask=mask).logits
+    for branch, row in (([8, 9], 1), ([8, 10], 2)):
+        chain = tiny_runtime(3)
+        chain.forward(prefix)
+        assert torch.allclose(tree[row], chain.forward(torch.tensor(branch)).logits[-1],
+                              atol=1e-10)

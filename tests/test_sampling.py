@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from forerun.sampling import (SamplingConfig, SamplingError, logits_to_probs, make_generator,
+                              sample)
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
+
+
+def test_greedy_is_one_hot_on_first_argmax():
+    probs = logits_to_probs(torch.tensor([1.0, 3.0, 3.0, 0.0]), SamplingConfig())
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_temperature_matches_softmax():
+    probs = logits_to_probs(LOGITS, SamplingConfig(temperature=0.5))
+    assert torch.allclose(probs, (LOGITS / 0.5).softmax(-1))
+
+
+def test_top_k_keeps_k_tokens():
+    probs = logits_to_probs(LOGITS, SamplingConfig(temperature=1.0, top_k=2))
+    assert (probs > 0).tolist() == [True, True, False, False, False]
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    full = LOGITS.softmax(-1)  # ~[0.55, 0.20, 0.12, 0.07, 0.03]
+    probs = logits_to_probs(LOGITS, SamplingConfig(temperature=1.0, top_p=0.7))
+    assert (probs > 0).tolist() == [True, True, False, False, False]
+    assert torch.allclose(probs[:2], full[:2] / full[:2].sum())
+    tiny = logits_to_probs(LOGITS, SamplingConfig(temperature=1.0, top_p=0.01))
+    assert (tiny > 0).sum() == 1  # the top token always survives
+
+
+def test_min_p_drops_tokens_below_fraction_of_max():
+    probs = logits_to_probs(LOGITS, SamplingConfig(temperature=1.0, min_p=0.3))
+    assert (probs > 0).tolist() == [True, True, False, False, False]
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")),
+                                    dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+                                    dict(min_p=1.0)])
+def test_invalid_parameters_fail_clearly(kwargs):
+    with pytest.raises(SamplingError, match="must be"):
+        SamplingConfig(**kwargs)
+
+
+def test_seed_reproduces_samples():
+    probs = logits_to_probs(LOGITS.repeat(50, 1), SamplingConfig(temperature=1.0))
+    a = sample(probs, make_generator(7))
+    b = sample(probs, make_generator(7))
+    assert torch.equal(a, b) and a.shape == (50,)
