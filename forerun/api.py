@@ -9,7 +9,7 @@ live in `forerun.engine` and `forerun.reference` and know nothing of text.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from forerun.engine import speculative_decode
@@ -126,18 +126,24 @@ class Engine:
                 return
             yield Chunk(delta, step.tokens, step)
 
-    def generate(self, prompt: str | list[int], **kwargs) -> Completion:
+    def generate(self, prompt: str | list[int], *, raw: bool = False,
+                 on_text: Callable[[str], None] | None = None, **kwargs) -> Completion:
+        """Run to completion; `on_text` sees each text delta as it is produced."""
         spec = kwargs.get("spec") or self.spec
-        start, chunks = time.perf_counter(), []
-        ids = self.encode(prompt, kwargs.get("raw", False))
-        chunks = list(self.stream(ids, **{k: v for k, v in kwargs.items() if k != "raw"}))
+        start = time.perf_counter()
+        ids = self.encode(prompt, raw)
+        chunks = []
+        for chunk in self.stream(ids, **kwargs):
+            chunks.append(chunk)
+            if on_text is not None:
+                on_text(chunk.text)
         steps = [c.step for c in chunks]
-        k = spec.k if spec.method != "none" else 0
         return Completion(
             text="".join(c.text for c in chunks),
             token_ids=[t for c in chunks for t in c.token_ids],
             finish_reason=steps[-1].finish_reason or "length",
-            stats=GenerationStats.from_steps(spec.method, k, start, steps),
+            stats=GenerationStats.from_steps(spec.method, spec.k if spec.method != "none" else 0,
+                                             start, steps),
             prompt_tokens=len(ids), steps=steps)
 
 

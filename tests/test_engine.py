@@ -44,13 +44,13 @@ def speculative(method, k, policy="fixed", prompt=(), draft_seed=0, max_new=MAX_
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 def test_greedy_speculative_equals_plain(method, k, policy, prompt):
     expected = plain(prompt=PROMPTS[prompt])
-    got, steps = speculative(method, k, policy, PROMPTS[prompt])
+    got, _steps = speculative(method, k, policy, PROMPTS[prompt])
     assert got == expected
     assert len(got) == MAX_NEW
 
 
 def test_agreeing_draft_accepts_some_and_rejects_some():
-    got, steps = speculative("draft", 5, prompt=PROMPTS["no-match"])
+    _got, steps = speculative("draft", 5, prompt=PROMPTS["no-match"])
     accepted, drafted = sum(s.accepted for s in steps), sum(s.drafted for s in steps)
     assert 0 < accepted < drafted
 

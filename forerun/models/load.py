@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from forerun.models.catalog import CATALOG, ModelError, lookup, pull
+from forerun.models.gguf_file import GGUFFile
 from forerun.models.tokenizer import TextTokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from forerun.runtime.base import ModelConfig
 from forerun.runtime.torch_model import TorchRuntime, Transformer
@@ -49,8 +50,9 @@ class ModelSource:
     name: str
     kind: str  # "gguf" or "hf"
     path: Path
-    config: ModelConfig
+    config: ModelConfig | None  # None: an architecture we can read but not run
     tokenizer: TextTokenizer
+    gguf: GGUFFile | None = None
 
     def load(self, *, dtype: str = "float32", device: str = "cpu",
              context: int = DEFAULT_CONTEXT) -> TorchRuntime:
@@ -86,46 +88,32 @@ def open_model(source: str) -> ModelSource:
 
 # --- GGUF ---------------------------------------------------------------------------------------
 
-def _gguf_fields(reader) -> dict:
-    out = {}
-    for key, field in reader.fields.items():
-        try:
-            out[key] = field.contents()
-        except Exception:  # unreadable or irrelevant metadata types
-            continue
-    return out
-
-
 def _open_gguf(name: str, path: Path) -> ModelSource:
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(path)
+        gguf = GGUFFile(path)
     except Exception as e:
         raise ModelError(f"{path} is not a readable GGUF file: {e}") from e
-    fields = _gguf_fields(reader)
+    fields = gguf.fields
     arch = fields.get("general.architecture")
-    tokenizer = tokenizer_from_gguf(fields) if arch in SUPPORTED_ARCHS else _foreign(fields, arch)
-    if arch not in SUPPORTED_ARCHS:
-        return ModelSource(name, "gguf", path, None, tokenizer)  # tokenizer-only (vocab checks)
-    names = {t.name for t in reader.tensors}
+    if arch not in SUPPORTED_ARCHS:  # tokenizer only: enough for vocabulary checks
+        return ModelSource(name, "gguf", path, None, _foreign(fields), gguf)
 
     def f(key: str):
         return fields[f"{arch}.{key}"]
 
     n_vocab = fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"])
-    ffn = f("feed_forward_length")
     config = ModelConfig(
         arch=arch, vocab_size=n_vocab, dim=f("embedding_length"), n_layers=f("block_count"),
         n_heads=f("attention.head_count"), n_kv_heads=f("attention.head_count_kv"),
-        ffn_dim=ffn, rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+        ffn_dim=f("feed_forward_length"),
+        rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
         norm_eps=float(f("attention.layer_norm_rms_epsilon")),
-        context_length=f("context_length"), qkv_bias="blk.0.attn_q.bias" in names,
-        tied_embeddings="output.weight" not in names)
-    return ModelSource(name, "gguf", path, config, tokenizer)
+        context_length=f("context_length"), qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
+        tied_embeddings="output.weight" not in gguf.tensors)
+    return ModelSource(name, "gguf", path, config, tokenizer_from_gguf(fields), gguf)
 
 
-def _foreign(fields: dict, arch) -> TextTokenizer:
+def _foreign(fields: dict) -> TextTokenizer:
     """A model we cannot run: still read its tokenizer so vocabulary checks can name it."""
     try:
         return tokenizer_from_gguf(fields)
@@ -139,27 +127,27 @@ def _foreign(fields: dict, arch) -> TextTokenizer:
 
 
 def _gguf_weights(src: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    import gguf
+    from gguf.quants import dequantize
 
-    cfg = src.config
-    weights = {}
-    for t in gguf.GGUFReader(src.path).tensors:
-        array = gguf.quants.dequantize(t.data, t.tensor_type)  # float32, [out, in] order
-        parts = t.name.split(".")
+    cfg, weights = src.config, {}
+    for info in src.gguf.tensors.values():
+        parts = info.name.split(".")
         if parts[0] == "blk":
-            layer, key = int(parts[1]), ".".join(parts[2:])
+            key = ".".join(parts[2:])
             if key not in GGUF_NAMES:
                 continue
-            name = f"layers.{layer}.{GGUF_NAMES[key]}"
-        elif t.name in GGUF_NAMES:
-            name = GGUF_NAMES[t.name]
+            name = f"layers.{parts[1]}.{GGUF_NAMES[key]}"
+        elif info.name in GGUF_NAMES:
+            name = GGUF_NAMES[info.name]
         else:
             continue
+        array = dequantize(src.gguf.raw(info.name), info.qtype)  # float32 [out, in]
         if cfg.arch == "llama" and name.endswith((".wq", ".wk")):
             # llama.cpp's converter interleaves q/k rows for its RoPE; undo to the HF layout.
             heads = cfg.n_heads if name.endswith(".wq") else cfg.n_kv_heads
             array = _unpermute(array, heads)
-        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)  # copy: mmap is read-only
+        # np.array copies: the memory map is read-only
+        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)
     return weights
 
 
@@ -191,7 +179,8 @@ def _open_hf_dir(name: str, path: Path) -> ModelSource:
     hf = json.loads(config_file.read_text())
     arch = hf.get("model_type")
     if arch not in SUPPORTED_ARCHS:
-        raise ModelError(f"{path}: model_type {arch!r} not supported ({', '.join(SUPPORTED_ARCHS)})")
+        raise ModelError(f"{path}: model_type {arch!r} is not supported "
+                         f"({', '.join(SUPPORTED_ARCHS)})")
     config = ModelConfig(
         arch=arch, vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],

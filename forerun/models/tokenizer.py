@@ -104,7 +104,7 @@ def tokenizer_from_gguf(fields: dict) -> TextTokenizer:
                          "(forerun reads byte-level BPE tokenizers: Qwen2, SmolLM2, Llama 3)")
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
     types: list[int] = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     pre = fields.get("tokenizer.ggml.pre", "default")

