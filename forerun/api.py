@@ -28,7 +28,7 @@ DEFAULT_MAX_TOKENS = 256
 
 @dataclass(frozen=True)
 class LoadConfig:
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 where the hardware has fast bf16 matmuls, else float32
     device: str = "cpu"
     context: int = DEFAULT_CONTEXT
 
@@ -115,16 +115,17 @@ class Engine:
             policy = POLICIES[spec.policy](spec.k)
             steps = speculative_decode(self.target, proposer, policy, ids, sampling, max_tokens,
                                        stop_ids, generator)
-        decoder, text = IncrementalDecoder(self.tokenizer), ""
+        decoder, text, sent = IncrementalDecoder(self.tokenizer), "", 0
         for step in steps:
-            delta = decoder.push(step.tokens)
-            text += delta
-            hit = _find_stop(text, stop, len(text) - len(delta))
+            text += decoder.push(step.tokens)
+            hit = _find_stop(text, stop, sent)
             if hit is not None:
-                delta = delta[: len(delta) - (len(text) - hit)]
-                yield Chunk(delta, step.tokens, replace(step, finish_reason="stop"))
+                yield Chunk(text[sent:hit], step.tokens, replace(step, finish_reason="stop"))
                 return
-            yield Chunk(delta, step.tokens, step)
+            # hold back a tail that may be the start of a stop string
+            safe = len(text) if step.finish_reason else len(text) - _stop_prefix(text, stop)
+            yield Chunk(text[sent:safe], step.tokens, step)
+            sent = safe
 
     def generate(self, prompt: str | list[int], *, raw: bool = False,
                  on_text: Callable[[str], None] | None = None, **kwargs) -> Completion:
@@ -147,7 +148,12 @@ class Engine:
             prompt_tokens=len(ids), steps=steps)
 
 
-def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> int | None:
-    """Index where the earliest stop string begins, looking only where new text could match."""
-    hits = [i for s in stops if s and (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
+def _find_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:
+    """Where the earliest stop string begins in `text`, searching only unsent text."""
+    hits = [i for s in stops if s and (i := text.find(s, sent)) >= 0]
     return min(hits) if hits else None
+
+
+def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)

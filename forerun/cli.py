@@ -42,8 +42,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default=DEFAULT_DRAFT,
                    help="draft model for --method draft; same tokenizer as the target "
                         "(default: %(default)s)")
-    g.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
-                   help="weights and activations (default: %(default)s)")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weights and activations; auto = bfloat16 on CUDA and on CPUs with "
+                        "AVX512-BF16/AMX, else float32 (default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     g.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                    help="KV cache slots: prompt + output tokens (default: %(default)s)")

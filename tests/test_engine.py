@@ -115,3 +115,38 @@ def test_unknown_method_is_rejected():
 
 def test_tiny_model_logits_are_float64():
     assert tiny_runtime(0).forward(torch.tensor([1])).logits.dtype == torch.float64
+
+
+def test_stop_strings_across_chunks_are_held_back_and_cut():
+    from forerun.api import _find_stop, _stop_prefix
+
+    assert _stop_prefix("hello wor", ("world",)) == 3
+    assert _stop_prefix("hello", ("world",)) == 0
+    assert _find_stop("abc STOP def", ("STOP",), 0) == 4
+    assert _find_stop("abc STOP def", ("STOP",), 5) is None
+
+
+def word_tokenizer(vocab: int = 64):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from forerun.models.tokenizer import TextTokenizer
+
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(vocab)}, unk_token=None))
+    return TextTokenizer(tok, None, None, None, False, frozenset())
+
+
+@pytest.mark.parametrize("method", ["none", *PROPOSERS])
+def test_engine_cuts_text_at_a_stop_string_spanning_tokens(method):
+    from forerun import Engine
+
+    engine = Engine.from_runtimes(tiny_runtime(0), word_tokenizer(), tiny_runtime(0, noise=0.05),
+                                  SpecConfig(method, 4))
+    prompt = PROMPTS["no-match"]
+    full = engine.generate(prompt, max_tokens=30).text
+    words = full.split(" ")
+    stop = f"{words[10]} {words[11][:1]}"  # spans two tokens, ends mid-token
+    out = engine.generate(prompt, max_tokens=30, stop=(stop,))
+    assert out.text == full[: full.index(stop)] and out.finish_reason == "stop"
+    streamed = "".join(c.text for c in engine.stream(prompt, max_tokens=30, stop=(stop,)))
+    assert streamed == out.text

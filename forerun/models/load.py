@@ -22,6 +22,20 @@ from forerun.runtime.torch_model import TorchRuntime, Transformer
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # CPUs whose bf16 matmuls beat float32
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """"auto": bfloat16 on CUDA and on CPUs with native bf16 matmuls, float32 elsewhere."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bfloat16"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "float32"
+    return "bfloat16" if any(f in flags for f in BF16_CPU_FLAGS) else "float32"
 DEFAULT_CONTEXT = 4096  # KV cache slots allocated unless the caller asks for more
 
 # GGUF tensor name -> canonical name (see forerun.runtime.torch_model.CANONICAL_NAMES)
@@ -54,10 +68,11 @@ class ModelSource:
     tokenizer: TextTokenizer
     gguf: GGUFFile | None = None
 
-    def load(self, *, dtype: str = "float32", device: str = "cpu",
+    def load(self, *, dtype: str = "auto", device: str = "cpu",
              context: int = DEFAULT_CONTEXT) -> TorchRuntime:
+        dtype = resolve_dtype(dtype, device)
         if dtype not in DTYPES:
-            raise ModelError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+            raise ModelError(f"unknown dtype {dtype!r}; choose auto or {', '.join(DTYPES)}")
         torch_dtype = DTYPES[dtype]
         weights = (_gguf_weights if self.kind == "gguf" else _hf_weights)(self, torch_dtype)
         with torch.device("meta"):

@@ -38,7 +38,8 @@ class ModelConfig:
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [T, V] float32 (float64 for float64 models); [1, V] if last_only
+    # [T, V] ([1, V] if last_only) on the CPU; float32, or float64 for float64 models
+    logits: torch.Tensor
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, D]
 
 

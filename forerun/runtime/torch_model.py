@@ -164,7 +164,8 @@ class TorchRuntime:
         logits = F.linear(x, self.model.lm_weight())  # [T, V]
         self._length = start + T
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        return ForwardOutput(logits.to(out_dtype), hidden)
+        # Sampling and verification run on the CPU with a CPU generator: [T, V] is a small copy.
+        return ForwardOutput(logits.to("cpu", out_dtype), hidden)
 
     def _mask(self, start: int, T: int, tree_mask) -> torch.Tensor | None:
         """[T, start+T] bool: every cached slot, then causal (or the tree) among the new tokens."""
