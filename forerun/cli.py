@@ -182,6 +182,10 @@ def _print_stats(results: list[Completion], speedup: float | None = None,
                       f"{s.ttft_s:.2f}", f"{s.itl_s * 1000:.0f}", str(s.target_forward_passes),
                       *spec_cols, r.finish_reason)
     err.print(table)
+    for r in results:
+        if r.stats.per_position_acceptance:
+            err.print(f"{r.stats.method} acceptance by draft position: " + " ".join(
+                f"{a:.2f}" for a in r.stats.per_position_acceptance))
     if speedup is not None:
         verdict = "[green]identical[/]" if identical else "[yellow]differ[/] (see README: numerics)"
         err.print(f"speedup {speedup:.2f}x; speculative tokens vs plain: {verdict}")

@@ -46,3 +46,17 @@ def test_tree_mask_with_explicit_positions():
         chain.forward(prefix)
         assert torch.allclose(tree[row], chain.forward(torch.tensor(branch)).logits[-1],
                               atol=1e-10)
+
+
+def test_bfloat16_top_logits_are_refined_in_float32():
+    from forerun.runtime.torch_model import REFINE_TOP, refine_top_logits
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 16, generator=g).bfloat16()  # [T, D]
+    weight = torch.randn(50, 16, generator=g).bfloat16()  # [V, D]
+    refined = refine_top_logits(torch.nn.functional.linear(x, weight), x, weight)
+    exact = x.float() @ weight.float().T  # [T, V]
+    assert refined.dtype == torch.float32
+    top = refined.topk(REFINE_TOP, dim=-1)
+    assert torch.equal(top.values, exact.gather(-1, top.indices))
+    assert torch.equal(refined.argmax(-1), exact.argmax(-1))

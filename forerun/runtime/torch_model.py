@@ -27,6 +27,19 @@ CANONICAL_NAMES = (
 )
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+REFINE_TOP = 8  # candidates whose logits are recomputed in float32
+
+
+def refine_top_logits(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 logits keep 8 bits of mantissa: near 18 they are multiples of 0.125, so the top
+    two often tie exactly and the argmax then depends on which kernel (1-token or k-token pass)
+    rounded last. Recompute the top candidates' logits in float32 from the same hidden state."""
+    top = logits.topk(REFINE_TOP, dim=-1).indices  # [T, m]
+    exact = torch.einsum("td,tmd->tm", x.float(), weight[top].float())  # [T, m]
+    return logits.float().scatter_(-1, top, exact)  # [T, V] float32
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float() if x.dtype != torch.float64 else x
     out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -162,6 +175,8 @@ class TorchRuntime:
         if -1 in hidden_layers:
             hidden[-1] = x
         logits = F.linear(x, self.model.lm_weight())  # [T, V]
+        if self.dtype in LOW_PRECISION:
+            logits = refine_top_logits(logits, x, self.model.lm_weight())
         self._length = start + T
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         # Sampling and verification run on the CPU with a CPU generator: [T, V] is a small copy.
