@@ -79,7 +79,7 @@ class Engine:
             check_same_vocabulary(target_src, draft_src)  # before any weights load
         kwargs = {"dtype": load.dtype, "device": load.device, "context": load.context}
         self._attach(target_src.load(**kwargs), target_src.tokenizer,
-                             draft_src.load(**kwargs) if draft_src else None, spec)
+                     draft_src.load(**kwargs) if draft_src else None, spec)
         self.target_name, self.draft_name = target_src.name, draft_src.name if draft_src else None
 
     @classmethod
@@ -117,7 +117,7 @@ class Engine:
                                        stop_ids, generator)
         decoder, text, sent = IncrementalDecoder(self.tokenizer), "", 0
         for step in steps:
-            text += decoder.push(step.tokens)
+            text += decoder.push(step.tokens, final=step.finish_reason is not None)
             hit = _find_stop(text, stop, sent)
             if hit is not None:
                 yield Chunk(text[sent:hit], step.tokens, replace(step, finish_reason="stop"))

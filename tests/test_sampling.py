@@ -49,3 +49,22 @@ def test_seed_reproduces_samples():
     a = sample(probs, make_generator(7))
     b = sample(probs, make_generator(7))
     assert torch.equal(a, b) and a.shape == (50,)
+
+
+def test_incremental_decoder_never_splits_a_character():
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    from forerun.models.tokenizer import IncrementalDecoder, TextTokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(BPE(vocab={t: i for i, t in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text_tok = TextTokenizer(tok, None, None, None, False, frozenset())
+    text = "héllo 🤖 wörld"
+    ids = text_tok.encode(text)  # one id per byte: multi-byte characters span several ids
+    decoder = IncrementalDecoder(text_tok)
+    deltas = [decoder.push([i]) for i in ids]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)

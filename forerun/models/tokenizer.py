@@ -82,18 +82,23 @@ def _raise_template_error(message: str):
 
 
 class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas without splitting UTF-8 characters."""
+    """Turns a growing list of token ids into text deltas without splitting UTF-8 characters.
+
+    Decodes only a window (the last emitted tokens plus the new ones) and diffs it against the
+    same window without the new ones, so each push costs O(window), not O(sequence)."""
 
     def __init__(self, tokenizer: TextTokenizer):
-        self.tokenizer, self.ids, self.emitted = tokenizer, [], ""
+        self.tokenizer, self.ids = tokenizer, []
+        self.prefix_offset = self.read_offset = 0  # window start; end of already-emitted ids
 
-    def push(self, ids: list[int]) -> str:
+    def push(self, ids: list[int], final: bool = False) -> str:
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith(REPLACEMENT_CHAR):  # an incomplete multi-byte character: wait
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if text.endswith(REPLACEMENT_CHAR) and not final:  # an incomplete character: wait
             return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix):]
 
 
 def tokenizer_from_gguf(fields: dict) -> TextTokenizer:
