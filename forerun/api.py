@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from forerun.engine import speculative_decode
 from forerun.metrics import GenerationStats, Step
@@ -47,7 +47,6 @@ class Completion:
     finish_reason: str
     stats: GenerationStats
     prompt_tokens: int = 0
-    steps: list[Step] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids,
@@ -80,14 +79,12 @@ class Engine:
         kwargs = {"dtype": load.dtype, "device": load.device, "context": load.context}
         self._attach(target_src.load(**kwargs), target_src.tokenizer,
                      draft_src.load(**kwargs) if draft_src else None, spec)
-        self.target_name, self.draft_name = target_src.name, draft_src.name if draft_src else None
 
     @classmethod
     def from_runtimes(cls, target: Runtime, tokenizer: TextTokenizer,
                       draft: Runtime | None = None, spec: SpecConfig | None = None) -> Engine:
         engine = cls.__new__(cls)
         engine._attach(target, tokenizer, draft, spec or SpecConfig())
-        engine.target_name, engine.draft_name = "target", "draft" if draft else None
         return engine
 
     def _attach(self, target, tokenizer, draft, spec) -> None:
@@ -145,7 +142,7 @@ class Engine:
             finish_reason=steps[-1].finish_reason or "length",
             stats=GenerationStats.from_steps(spec.method, spec.k if spec.method != "none" else 0,
                                              start, steps),
-            prompt_tokens=len(ids), steps=steps)
+            prompt_tokens=len(ids))
 
 
 def _find_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:

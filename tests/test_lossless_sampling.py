@@ -17,7 +17,7 @@ from scipy.stats import chisquare
 
 import forerun.engine
 from forerun.engine import speculative_decode
-from forerun.policy import FixedK
+from forerun.policy import AdaptiveK, FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.verify import Verdict
@@ -50,12 +50,13 @@ def exact_joint(sampling: SamplingConfig) -> dict[tuple, float]:
     return joint
 
 
-def empirical(method: str, k: int, sampling: SamplingConfig) -> dict[tuple, int]:
+def empirical(method: str, k: int, sampling: SamplingConfig, policy=FixedK,
+              seed: int = 2024) -> dict[tuple, int]:
     target, draft = target_model(), draft_model()
     proposer = PROPOSERS[method](SpecConfig(method, k), target, draft)
-    generator, counts = make_generator(2024), {}
+    generator, counts = make_generator(seed), {}
     for _ in range(RUNS):
-        steps = speculative_decode(target, proposer, FixedK(k), PROMPT, sampling, NEW_TOKENS,
+        steps = speculative_decode(target, proposer, policy(k), PROMPT, sampling, NEW_TOKENS,
                                    (), generator)
         seq = tuple(t for s in steps for t in s.tokens)
         counts[seq] = counts.get(seq, 0) + 1
@@ -98,16 +99,7 @@ def test_speculative_sampling_matches_target_joint(method, k, sampling):
 
 def test_draft_matches_target_joint_with_adaptive_k():
     cfg = SAMPLINGS["temperature"]
-    target, draft = target_model(), draft_model()
-    proposer = PROPOSERS["draft"](SpecConfig("draft", 1), target, draft)
-    generator, counts = make_generator(7), {}
-    from forerun.policy import AdaptiveK
-
-    for _ in range(RUNS):
-        steps = speculative_decode(target, proposer, AdaptiveK(1), PROMPT, cfg, NEW_TOKENS, (),
-                                   generator)
-        seq = tuple(t for s in steps for t in s.tokens)
-        counts[seq] = counts.get(seq, 0) + 1
+    counts = empirical("draft", 1, cfg, policy=AdaptiveK, seed=7)
     assert chi_square_pvalue(exact_joint(cfg), counts) > ALPHA
 
 
