@@ -1,4 +1,4 @@
-"""The `forerun` command line: `generate` and `models {list,pull}`.
+"""The `forerun` command line: `generate`, `bench` and `models {list,pull}`.
 
 Owns: argument parsing, terminal output (streamed text on stdout, stats on stderr, or one JSON
 object with --json) and turning expected errors into a one-line message and exit status 2.
@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from forerun.api import DEFAULT_MAX_TOKENS, Completion, Engine, LoadConfig
+from forerun.bench.command import add_bench_parser
 from forerun.models.catalog import (
     CATALOG,
     DEFAULT_DRAFT,
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("names", nargs="*", help="catalog names (default: the default pair)")
     pl.add_argument("--all", action="store_true", help="every catalog model")
     pl.set_defaults(func=cmd_models_pull)
+    add_bench_parser(sub, add_model_args)
     return parser
 
 

@@ -1,0 +1,179 @@
+"""The `forerun bench` command: arguments, progress bar, and where the results go.
+
+Owns: turning flags into a BenchConfig, loading the engine and the peers once, the progress bar
+(stderr, with ETA), the table (stdout), `results.json` and the PNG in --out, and the last stdout
+line: one JSON summary for scripts. `--verify-curve` measures the runtime's forward-time curve
+instead (the cost model every speedup depends on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from forerun.api import Engine, LoadConfig
+from forerun.bench import report
+from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
+from forerun.bench.runner import BenchConfig, run_bench, runs_per_prompt
+from forerun.bench.workloads import BUILTIN, Prompt, sample_workloads
+from forerun.models.load import open_model, resolve_dtype
+from forerun.propose import SpecConfig
+
+CURVE_SIZES = tuple(range(1, 33))
+CURVE_CONTEXT = 200
+DEFAULT_OUT = "out/bench"
+TABLE_WIDTH = 160  # when stdout is not a terminal (files, CI logs)
+
+
+def add_bench_parser(sub, add_model_args) -> None:
+    b = sub.add_parser(
+        "bench", help="benchmark methods against plain decoding and peers on public prompts",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Run plain decoding and every method x k cell on each prompt, side by side "
+        "in one process, and report speedups per category: a table on stdout, results.json "
+        "and bench.png in --out, and one JSON summary as the last stdout line.")
+    b.add_argument("--workload", action="append", default=None,
+                   help=f"{' or '.join(BUILTIN)} or a JSONL file (repeatable; "
+                        "default: spec_bench and editeval)")
+    b.add_argument("--limit", type=int, default=5, help="prompts per category (0 = all)")
+    b.add_argument("--seed", type=int, default=0, help="prompt sample, run order and sampling")
+    b.add_argument("--methods", default="draft,ngram", help="comma-separated drafting methods")
+    b.add_argument("--ks", default="4", help="comma-separated draft lengths")
+    b.add_argument("--temperatures", default="0", help="comma-separated; 0 = greedy")
+    b.add_argument("--policy", default="fixed", help="draft length policy for every cell")
+    b.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt at most")
+    b.add_argument("--peers", nargs="?", const=",".join(PEER_NAMES), default="",
+                   help=f"also run peers on the same prompts ({','.join(PEER_NAMES)}); "
+                        "--peers alone = all")
+    b.add_argument("--out", default=DEFAULT_OUT, help="folder for results.json and the plot")
+    b.add_argument("--verify-curve", action="store_true",
+                   help="measure the forward time over 1..32 new tokens at a ~200-token context "
+                        "for the target (and draft) instead, as a table and plot")
+    b.add_argument("--json", action="store_true", help="print only the JSON summary")
+    add_model_args(b)
+    b.set_defaults(func=cmd_bench)
+
+
+def _csv(text: str, kind=str) -> tuple:
+    return tuple(kind(x) for x in text.split(",") if x.strip())
+
+
+def cmd_bench(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stream = sys.stderr if args.json else sys.stdout
+    console = Console(file=stream, width=None if stream.isatty() else TABLE_WIDTH)
+    cfg = BenchConfig(methods=_csv(args.methods), ks=_csv(args.ks, int),
+                      temperatures=_csv(args.temperatures, float), policy=args.policy,
+                      max_tokens=args.max_tokens, seed=args.seed)
+    cfg.cells()  # validates method names and k before anything loads
+    load = LoadConfig(args.dtype, args.device, args.context)  # TEMP until runtime lands
+    wants_draft = args.verify_curve or "draft" in cfg.methods
+    with Console(stderr=True).status(f"loading {args.target}"):
+        engine = Engine(args.target, args.draft if wants_draft else None,
+                        spec=SpecConfig("draft" if wants_draft else "none"), load=load)
+    meta = _meta(args, load)
+    if args.verify_curve:
+        return _verify_curve(engine, args, out, meta, console)
+
+    prompts = _fitting(engine, sample_workloads(args.workload or list(BUILTIN),
+                                                args.limit or None, args.seed), cfg)
+    peers = _peers(args, engine)
+    total = len(prompts) * runs_per_prompt(cfg, peers)
+    with tqdm(total=total, desc="bench", unit="run", file=sys.stderr) as bar:
+        def tick(run):
+            bar.set_postfix_str(f"{run.category} {run.label}", refresh=False)
+            bar.update()
+
+        runs = run_bench(engine, prompts, cfg, peers, on_run=tick)
+    cells = report.aggregate(runs)
+    title = f"forerun bench: {Path(str(args.target)).name} ({meta['runtime']}, {meta['dtype']})"
+    console.print(report.table(cells, title))
+    report.write_json(out / "results.json", meta | {"config": asdict(cfg)}, cells, runs)
+    report.plot(out / "bench.png", cells, title)
+    console.print(f"wrote {out / 'results.json'} and {out / 'bench.png'}")
+    print(json.dumps(report.summary(cells) | {"results": str(out / "results.json")}))
+    return 0
+
+
+def _fitting(engine: Engine, prompts: list[Prompt], cfg: BenchConfig) -> list[Prompt]:
+    """Drop (with a note) prompts that leave no room for max_tokens in the context."""
+    keep = []
+    for p in prompts:
+        n = len(engine.tokenizer.encode_prompt(p.text))
+        if n + cfg.max_tokens <= engine.target.capacity:
+            keep.append(p)
+        else:
+            print(f"skipping {p.category}/{p.id}: {n} prompt tokens + {cfg.max_tokens} > "
+                  f"context {engine.target.capacity} (raise --context)", file=sys.stderr)
+    if not keep:
+        raise ValueError("no prompt fits the context; raise --context or lower --max-tokens")
+    return keep
+
+
+def _peers(args, engine: Engine) -> list[Peer]:
+    names = _csv(args.peers)
+    unknown = set(names) - set(PEER_NAMES)
+    if unknown:
+        raise ValueError(f"unknown peer(s) {sorted(unknown)}; choose from {PEER_NAMES}")
+    peers: list[Peer] = []
+    stop_ids = engine.tokenizer.stop_ids
+    target = open_model(args.target).path
+    with Console(stderr=True).status("loading peers"):
+        if "hf" in names:
+            draft = open_model(args.draft).path if "draft" in _csv(args.methods) else None
+            peers.append(HFPeer(target, draft, resolve_dtype(args.dtype, args.device),
+                                stop_ids))
+        if "llama.cpp" in names:
+            peers.append(LlamaCppPeer(target, engine.target.capacity, stop_ids))
+    return peers
+
+
+def _verify_curve(engine: Engine, args, out: Path, meta: dict, console: Console) -> int:
+    from forerun.profile import measure_forward_curve
+
+    models = {"target": engine.target} | ({"draft": engine.draft} if engine.draft else {})
+    curves = {}
+    for name, runtime in models.items():
+        with Console(stderr=True).status(f"timing the {name}'s forward pass, 1..32 tokens"):
+            curves[name] = measure_forward_curve(runtime, CURVE_SIZES, CURVE_CONTEXT).to_dict()
+    table = Table(title=f"forward time at context {CURVE_CONTEXT} "
+                        f"({meta['runtime']}, {meta['dtype']})", title_justify="left")
+    table.add_column("new tokens", justify="right")
+    for name in curves:
+        table.add_column(f"{name} ms", justify="right")
+        table.add_column(f"{name} / 1 token", justify="right")
+    for i, size in enumerate(CURVE_SIZES):
+        row = [str(size)]
+        for c in curves.values():
+            row += [f"{c['seconds'][i] * 1e3:.1f}", f"{c['seconds'][i] / c['seconds'][0]:.2f}"]
+        table.add_row(*row)
+    console.print(table)
+    (out / "verify_curve.json").write_text(json.dumps({"meta": meta, "curves": curves},
+                                                      indent=1))
+    report.plot_curves(out / "verify_curve.png", curves,
+                       f"forward-time curve ({meta['runtime']}, {meta['dtype']})")
+    t = curves["target"]["seconds"]
+    print(json.dumps({"target_ms_1": round(t[0] * 1e3, 2),
+                      "target_fwd5_over_fwd1": round(t[4] / t[0], 3),
+                      "results": str(out / "verify_curve.json")}))
+    return 0
+
+
+def _meta(args, load: LoadConfig) -> dict:
+    return {"target": args.target, "draft": args.draft, "runtime": getattr(load, "runtime", "torch"),
+            "dtype": resolve_dtype(load.dtype, load.device) if getattr(load, "runtime", "torch") == "torch"
+            else "gguf", "device": load.device, "cpus": len(os.sched_getaffinity(0)),
+            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}

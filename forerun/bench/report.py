@@ -1,0 +1,190 @@
+"""Benchmark report: per-category aggregates, a readable table, a JSON file and a PNG plot.
+
+Owns: how runs become figures. For each (temperature, category, label):
+- tok/s = total new tokens / total wall time over the category's prompts (prefill included);
+- speedup = that tok/s / the forerun plain baseline's tok/s on the same prompts, same run;
+  `vs own plain` divides by the same system's plain decoding instead (peers);
+- mean accepted length = mean over verify steps of (accepted + 1), incl. the bonus token;
+- acceptance rate = accepted / drafted draft tokens;
+- TTFT = median time to the first token; ITL p50 / p90 = quantiles over decode steps of
+  (gap between steps / tokens in the step): what a streaming client sees per token;
+- identical = share of greedy runs whose token ids equal their baseline's.
+A category named "mean" is added: the unweighted mean of the per-category speedups (Spec-Bench's
+headline figure) and medians of the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.table import Table
+
+from forerun.bench.runner import BASELINE, Run
+
+MEAN = "mean"
+
+
+@dataclass(frozen=True)
+class Cell:
+    temperature: float
+    category: str
+    label: str
+    prompts: int
+    new_tokens: int
+    tokens_per_s: float
+    speedup: float
+    vs_own_plain: float
+    mean_accepted_length: float | None
+    acceptance_rate: float | None
+    ttft_s: float
+    itl_p50_s: float
+    itl_p90_s: float
+    identical: float | None
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _tps(runs: list[Run]) -> float:
+    wall = sum(r.wall_s for r in runs)
+    return sum(r.new_tokens for r in runs) / wall if wall > 0 else 0.0
+
+
+def aggregate(runs: list[Run]) -> list[Cell]:
+    groups: dict[tuple, list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r.temperature, r.category, r.label), []).append(r)
+    cells = []
+    for (temp, cat, label), rs in groups.items():
+        tps = _tps(rs)
+        base = _tps(groups.get((temp, cat, BASELINE), []))
+        own = _tps(groups.get((temp, cat, rs[0].baseline), []))
+        steps = sum(r.verify_steps for r in rs)
+        drafted = sum(r.drafted for r in rs)
+        ident = [r.identical for r in rs if r.identical is not None]
+        itl = [g for r in rs for g in r.itl_s]
+        cells.append(Cell(
+            temp, cat, label, len(rs), sum(r.new_tokens for r in rs), tps,
+            tps / base if base else 0.0, tps / own if own else 0.0,
+            (sum(r.accepted for r in rs) + steps) / steps if drafted and steps else None,
+            sum(r.accepted for r in rs) / drafted if drafted else None,
+            statistics.median(r.ttft_s for r in rs), _quantile(itl, 0.5), _quantile(itl, 0.9),
+            sum(ident) / len(ident) if ident else None))
+    return cells + _means(cells)
+
+
+def _means(cells: list[Cell]) -> list[Cell]:
+    """The unweighted mean over categories, per (temperature, label)."""
+    by: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        by.setdefault((c.temperature, c.label), []).append(c)
+    out = []
+    for (temp, label), cs in by.items():
+        if len(cs) < 2:
+            continue
+
+        def mean(xs: Iterable[float | None]) -> float | None:
+            xs = [x for x in xs if x is not None]
+            return sum(xs) / len(xs) if xs else None
+
+        out.append(Cell(
+            temp, MEAN, label, sum(c.prompts for c in cs), sum(c.new_tokens for c in cs),
+            mean(c.tokens_per_s for c in cs), mean(c.speedup for c in cs),
+            mean(c.vs_own_plain for c in cs), mean(c.mean_accepted_length for c in cs),
+            mean(c.acceptance_rate for c in cs), statistics.median(c.ttft_s for c in cs),
+            statistics.median(c.itl_p50_s for c in cs), statistics.median(c.itl_p90_s for c in cs),
+            mean(c.identical for c in cs)))
+    return out
+
+
+def table(cells: list[Cell], title: str) -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in ("T", "category", "method", "n", "speedup", "vs own plain", "tok/s", "acc. len",
+                "acc. rate", "TTFT s", "ITL p50 ms", "ITL p90 ms", "identical"):
+        t.add_column(col, justify="left" if col in ("category", "method") else "right")
+    order = {c.category: i for i, c in enumerate(cells)}
+    for c in sorted(cells, key=lambda c: (c.temperature, c.category == MEAN,
+                                          order[c.category], c.label != BASELINE)):
+
+        def opt(x, fmt):
+            return "-" if x is None else format(x, fmt)
+
+        t.add_row(f"{c.temperature:g}", c.category, c.label, str(c.prompts),
+                  f"{c.speedup:.2f}x", f"{c.vs_own_plain:.2f}x", f"{c.tokens_per_s:.2f}",
+                  opt(c.mean_accepted_length, ".2f"), opt(c.acceptance_rate, ".2f"),
+                  f"{c.ttft_s:.2f}", f"{c.itl_p50_s * 1e3:.0f}", f"{c.itl_p90_s * 1e3:.0f}",
+                  opt(c.identical, ".2f"))
+    return t
+
+
+def summary(cells: list[Cell]) -> dict:
+    """One line for scripts: per label, the speedup on each category and the mean."""
+    out: dict = {}
+    one_temperature = len({c.temperature for c in cells}) == 1
+    for c in cells:
+        key = c.label if one_temperature else f"{c.label} T={c.temperature:g}"
+        out.setdefault(key, {})[c.category] = round(c.speedup, 3)
+    return {"speedup_vs_forerun_plain": out}
+
+
+def write_json(path: Path, meta: dict, cells: list[Cell], runs: list[Run]) -> None:
+    path.write_text(json.dumps({"meta": meta, "cells": [asdict(c) for c in cells],
+                                "runs": [r.to_dict() for r in runs]}, indent=1))
+
+
+def plot(path: Path, cells: list[Cell], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({c.temperature for c in cells})
+    fig, axes = plt.subplots(len(temps), 1, figsize=(11, 4.2 * len(temps)), squeeze=False)
+    for ax, temp in zip(axes[:, 0], temps, strict=True):
+        cs = [c for c in cells if c.temperature == temp and c.label != BASELINE]
+        cats = list(dict.fromkeys(c.category for c in cs))
+        labels = list(dict.fromkeys(c.label for c in cs))
+        width = 0.8 / max(1, len(labels))
+        for j, label in enumerate(labels):
+            vals = {c.category: c.speedup for c in cs if c.label == label}
+            xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(cats))]
+            ax.bar(xs, [vals.get(cat, 0.0) for cat in cats], width, label=label,
+                   hatch="//" if label.startswith(("hf", "llama.cpp")) else None)
+        ax.axhline(1.0, color="black", lw=1, ls="--")
+        ax.set_xticks(range(len(cats)), cats)
+        ax.set_ylabel("speedup vs forerun plain")
+        ax.set_title(f"{title} (temperature {temp:g})")
+        ax.legend(fontsize=8, ncols=min(4, len(labels)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(path: Path, curves: dict[str, dict], title: str) -> None:
+    """Forward time over new tokens, relative to one token, per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, curve in curves.items():
+        sizes, secs = curve["sizes"], curve["seconds"]
+        ax.plot(sizes, [s / secs[0] for s in secs], marker="o",
+                label=f"{name} (1 token: {secs[0] * 1e3:.0f} ms)")
+    ax.axhline(1.0, color="black", lw=1, ls="--")
+    ax.set_xlabel("new tokens in one forward pass (context ~200)")
+    ax.set_ylabel("time / time for 1 token")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,132 @@
+"""The benchmark runner: every prompt runs plain decoding and each speculative cell side by side.
+
+Owns: the run order and what one run records. For each prompt and temperature the baseline
+(plain decoding on the same engine: same runtime, model and dtype) and every method x k cell run
+in a seeded shuffled order, one right after the other, so slow drifts of the machine (thermal,
+another process) hit all of them alike and every figure is a ratio measured side by side. Peers
+run on the same prompt ids right after. Aggregation and printing live in `report.py`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+from forerun.api import Engine
+from forerun.bench.peers import Peer, Trace
+from forerun.bench.workloads import Prompt
+from forerun.metrics import GenerationStats
+from forerun.propose import SpecConfig
+from forerun.sampling import SamplingConfig
+
+BASELINE = "forerun plain"
+WARMUP_TOKENS = 4  # one short untimed run per cell first: one-off costs stay out of the figures
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    methods: tuple[str, ...] = ("draft", "ngram")
+    ks: tuple[int, ...] = (4,)
+    temperatures: tuple[float, ...] = (0.0,)
+    policy: str = "fixed"
+    max_tokens: int = 128
+    seed: int = 0
+
+    def cells(self) -> list[tuple[str, SpecConfig]]:
+        """(label, spec) for the baseline and every method x k."""
+        suffix = "" if self.policy == "fixed" else f" {self.policy}"
+        return [(BASELINE, SpecConfig("none"))] + [
+            (f"{m} k={k}{suffix}", SpecConfig(m, k, self.policy))
+            for m in self.methods for k in self.ks]
+
+
+@dataclass
+class Run:
+    prompt_id: str
+    category: str
+    label: str  # BASELINE, "draft k=4", or a peer's "hf assisted" ...
+    baseline: str  # the label this run is compared with (same system's plain decoding)
+    temperature: float
+    prompt_tokens: int
+    new_tokens: int
+    wall_s: float
+    ttft_s: float
+    itl_s: list[float] = field(default_factory=list)  # per step: gap / tokens in the step
+    verify_steps: int = 0  # target forward passes after the prefill (forerun runs only)
+    drafted: int = 0
+    accepted: int = 0
+    identical: bool | None = None  # token ids == the baseline's (greedy only)
+    token_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def trace_to_run(trace: Trace, prompt: Prompt, label: str, baseline: str, temperature: float,
+                 prompt_tokens: int) -> Run:
+    times = [t for t, _ in trace.steps]
+    gaps = [(b - a) / n for a, (b, n) in zip(times, trace.steps[1:], strict=False) if n]
+    return Run(prompt.id, prompt.category, label, baseline, temperature, prompt_tokens,
+               len(trace.token_ids), times[-1] - trace.start if times else 0.0,
+               times[0] - trace.start if times else 0.0, gaps, token_ids=trace.token_ids)
+
+
+def run_forerun(engine: Engine, ids: list[int], spec: SpecConfig, sampling: SamplingConfig,
+                max_tokens: int) -> tuple[Trace, GenerationStats]:
+    start = time.perf_counter()
+    steps = [c.step for c in engine.stream(ids, sampling=sampling, max_tokens=max_tokens,
+                                           spec=spec)]
+    trace = Trace([t for s in steps for t in s.tokens], start,
+                  [(s.time, len(s.tokens)) for s in steps])
+    return trace, GenerationStats.from_steps(spec.method, spec.k, start, steps)
+
+
+def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig,
+              peers: Iterable[Peer] = (), on_run: Callable[[Run], None] | None = None
+              ) -> list[Run]:
+    """All runs, in the order they ran; `on_run` sees each one (progress bars)."""
+    peers, cells, runs = list(peers), cfg.cells(), []
+    _warmup(engine, prompts, cells, peers)
+    for i, prompt in enumerate(prompts):
+        ids = engine.tokenizer.encode_prompt(prompt.text)  # chat template when the model has one
+        for temperature in cfg.temperatures:
+            sampling = SamplingConfig(temperature=temperature, seed=cfg.seed + i)
+            order = cells[:]
+            random.Random(f"{cfg.seed}:{prompt.id}:{temperature}").shuffle(order)
+            done: dict[str, Run] = {}
+            for label, spec in order:
+                trace, stats = run_forerun(engine, ids, spec, sampling, cfg.max_tokens)
+                run = trace_to_run(trace, prompt, label, BASELINE, temperature, len(ids))
+                run.verify_steps = max(0, stats.target_forward_passes - 1)
+                run.drafted, run.accepted = stats.drafted, stats.accepted
+                done[label] = run
+            for peer in peers:
+                for mode in peer.modes:
+                    trace = peer.run(mode, ids, sampling, cfg.max_tokens)
+                    done[peer.label(mode)] = trace_to_run(
+                        trace, prompt, peer.label(mode), peer.label(peer.modes[0]),
+                        temperature, len(ids))
+            for run in done.values():
+                if temperature == 0.0 and run.label != run.baseline:
+                    run.identical = run.token_ids == done[run.baseline].token_ids
+                runs.append(run)
+                if on_run is not None:
+                    on_run(run)
+    return runs
+
+
+def _warmup(engine: Engine, prompts: list[Prompt], cells, peers: list[Peer]) -> None:
+    if not prompts:
+        return
+    ids = engine.tokenizer.encode_prompt(prompts[0].text)
+    for _, spec in cells:
+        engine.generate(ids, max_tokens=WARMUP_TOKENS, spec=spec)
+    for peer in peers:
+        for mode in peer.modes:
+            peer.run(mode, ids, SamplingConfig(), WARMUP_TOKENS)
+
+
+def runs_per_prompt(cfg: BenchConfig, peers: Iterable[Peer]) -> int:
+    return len(cfg.temperatures) * (len(cfg.cells()) + sum(len(p.modes) for p in peers))

@@ -1,0 +1,95 @@
+"""Benchmark workloads: public prompt sets turned into chat messages, grouped by category.
+
+Owns: reading the JSONL shapes we know (Spec-Bench questions, EditEval instructed edits, and a
+plain {"prompt": ..., "category": ...} shape), the category grouping (Spec-Bench's 8 MT-bench
+categories become one `mt_bench` group, as in the Spec-Bench paper) and seeded sampling of
+`limit` prompts per category. The two public sets ship inside the package with their licenses
+(`forerun/bench/workloads/*/LICENSE.upstream`, provenance in SOURCE.md). Never tokenizes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA_DIR = Path(__file__).parent / "workloads"
+BUILTIN = {
+    "spec_bench": DATA_DIR / "spec_bench" / "question.jsonl",
+    "editeval": DATA_DIR / "editeval" / "edit_eval.jsonl",
+}
+MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding",
+                                 "extraction", "stem", "humanities"})
+EDIT_PROMPT = ("{instruction}\n\n```python\n{code}\n```\n\n"
+               "Reply with the complete edited code in one ```python block.")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    messages: tuple[dict, ...]  # chat messages ({"role": "user", "content": ...}), first turn
+
+    @property
+    def text(self) -> str:
+        return self.messages[-1]["content"]
+
+
+class WorkloadError(ValueError):
+    pass
+
+
+def _from_row(row: dict, line: int, default_category: str) -> Prompt:
+    if "turns" in row:  # Spec-Bench / MT-bench: first turn only
+        category = row.get("category", default_category)
+        category = "mt_bench" if category in MT_BENCH_CATEGORIES else category
+        text, pid = row["turns"][0], row.get("question_id", line)
+    elif "instruction" in row and "input" in row:  # EditEval
+        category = row.get("category", "editeval")
+        text = EDIT_PROMPT.format(instruction=row["instruction"].strip(), code=row["input"])
+        pid = row.get("task_id", line)
+    elif "prompt" in row:
+        category, text, pid = row.get("category", default_category), row["prompt"], row.get(
+            "id", line)
+    else:
+        raise WorkloadError(f"line {line}: expected 'turns' (Spec-Bench), 'instruction' + "
+                            f"'input' (EditEval) or 'prompt'; got keys {sorted(row)}")
+    if not isinstance(text, str) or not text.strip():
+        raise WorkloadError(f"line {line}: empty prompt")
+    return Prompt(str(pid), str(category), ({"role": "user", "content": text},))
+
+
+def read_workload(source: str) -> list[Prompt]:
+    """All prompts of a built-in workload name or a JSONL file, in file order."""
+    path = BUILTIN.get(source, Path(source))
+    if not path.is_file():
+        raise WorkloadError(f"workload {source!r}: no such file; use {', '.join(BUILTIN)} or a "
+                            "JSONL path")
+    prompts = []
+    default_category = path.stem
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise WorkloadError(f"{path}:{n}: not JSON ({e.msg})") from e
+        prompts.append(_from_row(row, n, default_category))
+    if not prompts:
+        raise WorkloadError(f"{path}: no prompts")
+    return prompts
+
+
+def sample_workloads(sources: list[str], limit: int | None, seed: int) -> list[Prompt]:
+    """Up to `limit` prompts per category (a seeded sample), categories in first-seen order."""
+    by_category: dict[str, list[Prompt]] = {}
+    for source in sources:
+        for p in read_workload(source):
+            by_category.setdefault(p.category, []).append(p)
+    chosen = []
+    for category, prompts in by_category.items():
+        rng = random.Random(f"{seed}:{category}")
+        picked = prompts if limit is None else rng.sample(prompts, min(limit, len(prompts)))
+        chosen.extend(picked)
+    return chosen

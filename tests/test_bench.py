@@ -1,0 +1,131 @@
+"""`forerun bench` on tiny GGUF models written here: workloads parse and sample, a 2-prompt run
+finishes in seconds and writes the table, results.json and the PNG, the last stdout line is JSON,
+speculative cells are compared with the baseline of the same run, and peers run on the same
+GGUF files."""
+
+import json
+
+import pytest
+import torch
+from tiny_files import byte_tokens, random_hf_weights, write_gguf
+
+from forerun import cli
+from forerun.bench.report import MEAN, aggregate
+from forerun.bench.runner import BASELINE, Run
+from forerun.bench.workloads import WorkloadError, read_workload, sample_workloads
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A target and a draft that agrees with it often (same tokenizer)."""
+    root = tmp_path_factory.mktemp("bench_models")
+    tokens = byte_tokens()
+    weights = random_hf_weights(len(tokens), seed=0)
+    g = torch.Generator().manual_seed(1)
+    noisy = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    write_gguf(root / "target.gguf", weights, tokens)
+    write_gguf(root / "draft.gguf", noisy, tokens)
+    return root / "target.gguf", root / "draft.gguf"
+
+
+@pytest.fixture
+def workload(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text(
+        json.dumps({"question_id": 1, "category": "writing", "turns": ["abc abc abc", "more"]})
+        + "\n" + json.dumps({"task_id": "E/1", "instruction": "Rename x to y.",
+                             "input": "x = 1\nprint(x)"}) + "\n")
+    return path
+
+
+def test_builtin_workloads_map_categories():
+    spec = read_workload("spec_bench")
+    assert len(spec) == 480
+    assert {p.category for p in spec} == {"mt_bench", "translation", "summarization", "qa",
+                                          "math_reasoning", "rag"}
+    edits = read_workload("editeval")
+    assert len(edits) == 194 and {p.category for p in edits} == {"editeval"}
+    assert "```python" in edits[0].text
+
+
+def test_sampling_is_per_category_and_seeded():
+    a = sample_workloads(["spec_bench", "editeval"], limit=3, seed=7)
+    assert len(a) == 7 * 3
+    assert a == sample_workloads(["spec_bench", "editeval"], limit=3, seed=7)
+    assert a != sample_workloads(["spec_bench", "editeval"], limit=3, seed=8)
+
+
+def test_bad_workloads_fail_clearly(tmp_path):
+    with pytest.raises(WorkloadError, match="no such file"):
+        read_workload(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no known shape"}\n')
+    with pytest.raises(WorkloadError, match="line 1"):
+        read_workload(str(bad))
+    bad.write_text("not json\n")
+    with pytest.raises(WorkloadError, match="not JSON"):
+        read_workload(str(bad))
+
+
+def test_bench_writes_table_json_and_plot(pair, workload, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = cli.main(["bench", "--target", str(pair[0]), "--draft", str(pair[1]),
+                     "--workload", str(workload), "--methods", "draft,ngram", "--ks", "2,4",
+                     "--max-tokens", "12", "--dtype", "float64", "--out", str(out)])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    speedups = summary["speedup_vs_forerun_plain"]
+    assert set(speedups) == {BASELINE, "draft k=2", "draft k=4", "ngram k=2", "ngram k=4"}
+    assert set(speedups["draft k=4"]) == {"mt_bench", "editeval", MEAN}
+    assert "forerun bench" in stdout and "acc. len" in stdout
+    results = json.loads((out / "results.json").read_text())
+    runs = results["runs"]
+    assert len(runs) == 2 * 5  # 2 prompts x (baseline + 4 cells)
+    # float64 tiny models: greedy speculation reproduces the baseline exactly
+    assert all(r["identical"] for r in runs if r["label"] != BASELINE)
+    assert all(r["new_tokens"] > 0 and r["wall_s"] > 0 for r in runs)
+    assert (out / "bench.png").stat().st_size > 1000
+
+
+def test_verify_curve(pair, tmp_path, capsys):
+    out = tmp_path / "curve"
+    assert cli.main(["bench", "--verify-curve", "--target", str(pair[0]), "--draft",
+                     str(pair[1]), "--dtype", "float32", "--out", str(out)]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["target_ms_1"] > 0 and last["target_fwd5_over_fwd1"] > 0
+    curves = json.loads((out / "verify_curve.json").read_text())["curves"]
+    assert len(curves["target"]["sizes"]) == 32 and "draft" in curves
+    assert (out / "verify_curve.png").exists()
+
+
+def test_hf_peers_run_on_the_same_gguf(pair, workload, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "peers"
+    assert cli.main(["bench", "--target", str(pair[0]), "--draft", str(pair[1]),
+                     "--workload", str(workload), "--methods", "draft", "--max-tokens", "8",
+                     "--dtype", "float32", "--peers", "hf", "--out", str(out)]) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    labels = {r["label"] for r in runs}
+    assert {"hf plain", "hf assisted", "hf prompt_lookup"} <= labels
+    hf_plain = [r for r in runs if r["label"] == "hf plain"]
+    ours = [r for r in runs if r["label"] == BASELINE]
+    # same weights, same prompt ids, greedy: the same tokens as forerun's own plain decoding
+    assert [r["token_ids"] for r in hf_plain] == [r["token_ids"] for r in ours]
+    capsys.readouterr()
+
+
+def test_aggregate_ratios_are_against_the_same_runs_baseline():
+    def run(label, cat, tokens, wall, baseline=BASELINE, **kw):
+        return Run("p", cat, label, baseline, 0.0, 10, tokens, wall, 0.1, [0.1], **kw)
+
+    cells = {(c.category, c.label): c for c in aggregate([
+        run(BASELINE, "a", 10, 2.0), run("draft k=4", "a", 10, 1.0, verify_steps=4,
+                                         drafted=16, accepted=6),
+        run(BASELINE, "b", 10, 1.0), run("draft k=4", "b", 10, 1.0, verify_steps=10,
+                                         drafted=40, accepted=0)])}
+    assert cells["a", "draft k=4"].speedup == pytest.approx(2.0)
+    assert cells["a", "draft k=4"].mean_accepted_length == pytest.approx(10 / 4)
+    assert cells["a", "draft k=4"].acceptance_rate == pytest.approx(6 / 16)
+    assert cells["b", "draft k=4"].speedup == pytest.approx(1.0)
+    assert cells[MEAN, "draft k=4"].speedup == pytest.approx(1.5)

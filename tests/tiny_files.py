@@ -1,0 +1,109 @@
+"""Tiny model files written in tests: a byte-level BPE tokenizer, random Llama weights, and the
+same weights as a Hugging Face directory (config.json + safetensors + tokenizer.json) or a GGUF
+file (with llama.cpp's q/k row permutation)."""
+
+import json
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
+
+DIM, LAYERS, HEADS, KV_HEADS, FFN, CTX = 32, 2, 4, 2, 48, 128
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def byte_tokens() -> list[str]:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    return sorted(alphabet) + SPECIAL
+
+
+def random_hf_weights(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    w = {"model.embed_tokens.weight": r(vocab, DIM), "model.norm.weight": 1 + r(DIM),
+         "lm_head.weight": r(vocab, DIM)}
+    hd = DIM // HEADS
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": 1 + r(DIM),
+              p + "self_attn.q_proj.weight": r(HEADS * hd, DIM),
+              p + "self_attn.k_proj.weight": r(KV_HEADS * hd, DIM),
+              p + "self_attn.v_proj.weight": r(KV_HEADS * hd, DIM),
+              p + "self_attn.o_proj.weight": r(DIM, HEADS * hd),
+              p + "post_attention_layernorm.weight": 1 + r(DIM),
+              p + "mlp.gate_proj.weight": r(FFN, DIM), p + "mlp.up_proj.weight": r(FFN, DIM),
+              p + "mlp.down_proj.weight": r(DIM, FFN)}
+    return w
+
+
+def write_hf_dir(path, weights, tokens):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": len(tokens), "hidden_size": DIM,
+        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "intermediate_size": FFN, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": CTX, "tie_word_embeddings": False}))
+    save_file(weights, str(path / "model.safetensors"))
+    tok = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "chat_template":
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"}))
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows of llama-architecture models."""
+    return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+             .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(path, weights, tokens):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(CTX)
+    writer.add_embedding_length(DIM)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - len(SPECIAL)) + [3] * len(SPECIAL))
+    writer.add_token_merges([])
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+             "output_norm.weight", "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight":
+                 "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight":
+                 "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight":
+                 "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    for key, tensor in weights.items():
+        array = tensor.numpy()
+        if key in names:
+            writer.add_tensor(names[key], array)
+            continue
+        layer, sub = key.split(".")[2], ".".join(key.split(".")[3:])
+        if sub.endswith("q_proj.weight"):
+            array = llama_cpp_permute(array, HEADS)
+        elif sub.endswith("k_proj.weight"):
+            array = llama_cpp_permute(array, KV_HEADS)
+        writer.add_tensor(f"blk.{layer}.{per_layer[sub]}", np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
