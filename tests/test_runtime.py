@@ -1,5 +1,6 @@
 """The torch runtime's KV cache: chains, rollback and tree masks agree with plain forwards."""
 
+import pytest
 import torch
 from conftest import tiny_runtime
 
@@ -60,3 +61,21 @@ def test_bfloat16_top_logits_are_refined_in_float32():
     top = refined.topk(REFINE_TOP, dim=-1)
     assert torch.allclose(top.values, exact.gather(-1, top.indices), atol=1e-5, rtol=0)
     assert torch.equal(refined.argmax(-1), exact.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_weights_compute_the_same_logits(dtype):
+    from conftest import tiny_model
+
+    from forerun.runtime.torch_model import TorchRuntime, can_prepack
+
+    if not can_prepack(dtype, torch.device("cpu")):
+        pytest.skip("oneDNN prepacking not available in this torch build")
+    tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    packed = TorchRuntime(tiny_model(0).to(dtype), capacity=64, prepack=True)
+    plain = TorchRuntime(tiny_model(0).to(dtype), capacity=64, prepack=False)
+    assert packed.prepacked and not plain.prepacked
+    a, b = packed.forward(tokens).logits, plain.forward(tokens).logits
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert torch.allclose(a, b, atol=tol, rtol=tol)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
