@@ -31,6 +31,9 @@ class LoadConfig:
     dtype: str = "auto"  # bfloat16 where the hardware has fast bf16 matmuls, else float32
     device: str = "cpu"
     context: int = DEFAULT_CONTEXT
+    # The draft's precision never changes the output (the target verifies every token), only
+    # its speed: "auto" runs it in bfloat16 where that is fast, even under a float32 target.
+    draft_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,9 @@ class Engine:
         if draft_src is not None:
             check_same_vocabulary(target_src, draft_src)  # before any weights load
         kwargs = {"dtype": load.dtype, "device": load.device, "context": load.context}
+        draft_kwargs = kwargs | {"dtype": load.draft_dtype}
         self._attach(target_src.load(**kwargs), target_src.tokenizer,
-                     draft_src.load(**kwargs) if draft_src else None, spec)
+                     draft_src.load(**draft_kwargs) if draft_src else None, spec)
 
     @classmethod
     def from_runtimes(cls, target: Runtime, tokenizer: TextTokenizer,

@@ -46,6 +46,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="weights and activations; auto = bfloat16 on CUDA and on CPUs with "
                         "AVX512-BF16/AMX, else float32 (default: %(default)s)")
+    g.add_argument("--draft-dtype", default="auto", choices=["auto", *DTYPES],
+                   help="the draft model's dtype; it changes speed, never the output "
+                        "(default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     g.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                    help="KV cache slots: prompt + output tokens (default: %(default)s)")
@@ -129,7 +132,7 @@ def cmd_generate(args) -> int:
         raise ValueError("empty prompt: pass it as an argument or on stdin")
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     spec = SpecConfig(args.method, args.k, args.policy, args.ngram_min, args.ngram_max)
-    load = LoadConfig(args.dtype, args.device, args.context)
+    load = LoadConfig(args.dtype, args.device, args.context, draft_dtype=args.draft_dtype)
     needs_draft = args.method == "draft"
     with err.status(f"loading {args.target}" + (f" + {args.draft}" if needs_draft else "")):
         engine = Engine(args.target, args.draft if needs_draft else None, spec=spec, load=load)

@@ -28,7 +28,8 @@ def test_generate_json_has_the_documented_fields():
 
 def test_compare_json_reports_speedup_and_identity_from_stdin():
     r = forerun("generate", *SMOL, "--method", "draft", "--draft", "smollm2-135m-instruct",
-                "--max-tokens", "16", "--compare", "--json", stdin="List three colors.")
+                "--draft-dtype", "float32", "--max-tokens", "16", "--compare", "--json",
+                stdin="List three colors.")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert {"plain", "speculative", "speedup", "identical"} <= out.keys()

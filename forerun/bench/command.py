@@ -78,7 +78,7 @@ def cmd_bench(args) -> int:
                       temperatures=_csv(args.temperatures, float), policy=args.policy,
                       max_tokens=args.max_tokens, seed=args.seed)
     cfg.cells()  # validates method names and k before anything loads
-    load = LoadConfig(args.dtype, args.device, args.context)  # TEMP until runtime lands
+    load = LoadConfig(args.dtype, args.device, args.context, draft_dtype=args.draft_dtype)
     wants_draft = args.verify_curve or "draft" in cfg.methods
     with Console(stderr=True).status(f"loading {args.target}"):
         engine = Engine(args.target, args.draft if wants_draft else None,
@@ -172,8 +172,9 @@ def _verify_curve(engine: Engine, args, out: Path, meta: dict, console: Console)
 
 
 def _meta(args, load: LoadConfig) -> dict:
-    return {"target": args.target, "draft": args.draft, "runtime": getattr(load, "runtime", "torch"),
-            "dtype": resolve_dtype(load.dtype, load.device) if getattr(load, "runtime", "torch") == "torch"
-            else "gguf", "device": load.device, "cpus": len(os.sched_getaffinity(0)),
-            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    runtime = getattr(load, "runtime", "torch")
+    return {"target": args.target, "draft": args.draft, "runtime": runtime,
+            "dtype": resolve_dtype(load.dtype, load.device) if runtime == "torch" else "gguf",
+            "draft_dtype": resolve_dtype(load.draft_dtype, load.device), "device": load.device,
+            "cpus": len(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
