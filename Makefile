@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# the llama.cpp runtime: llama-cpp-python compiles from source here (~8 min on 2 cores)
+	$(PY) -m pip install --quiet -e ".[llama]"
 	touch $@
 
 run: install

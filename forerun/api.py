@@ -31,6 +31,7 @@ class LoadConfig:
     dtype: str = "auto"  # bfloat16 where the hardware has fast bf16 matmuls, else float32
     device: str = "cpu"
     context: int = DEFAULT_CONTEXT
+    runtime: str = "torch"  # a key of forerun.models.load.RUNTIMES; dtype is torch's only
     # The draft's precision never changes the output (the target verifies every token), only
     # its speed: "auto" runs it in bfloat16 where that is fast, even under a float32 target.
     draft_dtype: str = "auto"
@@ -79,7 +80,8 @@ class Engine:
         draft_src = open_model(draft) if draft and spec.method == "draft" else None
         if draft_src is not None:
             check_same_vocabulary(target_src, draft_src)  # before any weights load
-        kwargs = {"dtype": load.dtype, "device": load.device, "context": load.context}
+        kwargs = {"dtype": load.dtype, "device": load.device, "context": load.context,
+                  "runtime": load.runtime}
         draft_kwargs = kwargs | {"dtype": load.draft_dtype}
         self._attach(target_src.load(**kwargs), target_src.tokenizer,
                      draft_src.load(**draft_kwargs) if draft_src else None, spec)
@@ -113,7 +115,8 @@ class Engine:
             steps = plain_decode(self.target, ids, sampling, max_tokens, stop_ids, generator)
         else:
             proposer = PROPOSERS[spec.method](spec, self.target, self.draft)
-            policy = POLICIES[spec.policy](spec.k)
+            # the cost policy measures forward times at a runtime's first use (see profile.py)
+            policy = POLICIES[spec.policy](spec, self.target, proposer.runtime)
             steps = speculative_decode(self.target, proposer, policy, ids, sampling, max_tokens,
                                        stop_ids, generator)
         decoder, text, sent = IncrementalDecoder(self.tokenizer), "", 0

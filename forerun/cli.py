@@ -25,7 +25,7 @@ from forerun.models.catalog import (
     model_path,
     pull,
 )
-from forerun.models.load import DEFAULT_CONTEXT, DTYPES
+from forerun.models.load import DEFAULT_CONTEXT, DTYPES, RUNTIMES
 from forerun.policy import POLICIES
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.sampling import SamplingConfig, SamplingError
@@ -52,6 +52,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     g.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                    help="KV cache slots: prompt + output tokens (default: %(default)s)")
+    g.add_argument("--runtime", default="torch", choices=list(RUNTIMES),
+                   help="torch: our transformer, weights dequantized to --dtype; llama.cpp: the "
+                        "GGUF file on llama.cpp's quantized kernels, --dtype ignored (needs "
+                        "forerun[llama]) (default: %(default)s)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -59,10 +63,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", default="draft", choices=["none", *PROPOSERS],
                    help="drafting method; none = plain decoding (default: %(default)s)")
     g.add_argument("-k", "--num-draft-tokens", type=int, default=4, dest="k",
-                   help="draft tokens per verify step (default: %(default)s)")
+                   help="draft tokens per verify step; the start value for --policy "
+                        "adaptive, the cap for cost (default: %(default)s)")
     g.add_argument("--policy", default="fixed", choices=list(POLICIES),
-                   help="draft length policy: fixed k, or adaptive (+2 after a fully accepted "
-                        "draft, -1 otherwise) (default: %(default)s)")
+                   help="draft length policy: fixed k; adaptive (+2 after a fully accepted "
+                        "draft, -1 otherwise); cost (picks the k <= -k with the most expected "
+                        "tokens/s from forward times measured at first use; k = 0, plain "
+                        "decoding, where speculation does not pay) (default: %(default)s)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix to look up")
 
@@ -132,7 +139,8 @@ def cmd_generate(args) -> int:
         raise ValueError("empty prompt: pass it as an argument or on stdin")
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     spec = SpecConfig(args.method, args.k, args.policy, args.ngram_min, args.ngram_max)
-    load = LoadConfig(args.dtype, args.device, args.context, draft_dtype=args.draft_dtype)
+    load = LoadConfig(args.dtype, args.device, args.context, draft_dtype=args.draft_dtype,
+                      runtime=args.runtime)
     needs_draft = args.method == "draft"
     with err.status(f"loading {args.target}" + (f" + {args.draft}" if needs_draft else "")):
         engine = Engine(args.target, args.draft if needs_draft else None, spec=spec, load=load)

@@ -1,5 +1,5 @@
 """Greedy losslessness: speculative output == plain output, token for token, for every proposer,
-several k, both length policies, prompts with and without n-gram matches, drafts that agree and
+several k, every length policy, prompts with and without n-gram matches, drafts that agree and
 drafts that disagree often."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_runtime
 
 from forerun.engine import speculative_decode
-from forerun.policy import POLICIES
+from forerun.policy import POLICIES, FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.reference import plain_decode
 from forerun.sampling import SamplingConfig, make_generator
@@ -33,14 +33,15 @@ def speculative(method, k, policy="fixed", prompt=(), draft_seed=0, max_new=MAX_
     draft = tiny_runtime(draft_seed, capacity=capacity, noise=noise)
     spec = SpecConfig(method, k, policy)
     proposer = PROPOSERS[method](spec, target, draft)
-    steps = list(speculative_decode(target, proposer, POLICIES[policy](k), list(prompt),
+    lengths = POLICIES[policy](spec, target, proposer.runtime)
+    steps = list(speculative_decode(target, proposer, lengths, list(prompt),
                                     SamplingConfig(), max_new, stop, make_generator(0)))
     return [t for s in steps for t in s.tokens], steps
 
 
 @pytest.mark.parametrize("method", list(PROPOSERS))
 @pytest.mark.parametrize("k", [1, 2, 5, 8])
-@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 def test_greedy_speculative_equals_plain(method, k, policy, prompt):
     expected = plain(prompt=PROMPTS[prompt])
@@ -67,7 +68,7 @@ def test_draft_equal_to_target_accepts_everything(temperature):
     target, draft = tiny_runtime(0), tiny_runtime(0)
     sampling = SamplingConfig(temperature=temperature)
     proposer = PROPOSERS["draft"](SpecConfig("draft", 4), target, draft)
-    steps = list(speculative_decode(target, proposer, POLICIES["fixed"](4), PROMPTS["no-match"],
+    steps = list(speculative_decode(target, proposer, FixedK(4), PROMPTS["no-match"],
                                     sampling, 41, (), make_generator(0)))
     verify = steps[1:]
     assert all(s.accepted == s.drafted == 4 for s in verify)
@@ -102,7 +103,7 @@ def test_seeded_sampling_reproduces():
     def run():
         target, draft = tiny_runtime(0), tiny_runtime(1)
         proposer = PROPOSERS["draft"](SpecConfig("draft", 3), target, draft)
-        steps = speculative_decode(target, proposer, POLICIES["fixed"](3), [1, 2, 3],
+        steps = speculative_decode(target, proposer, FixedK(3), [1, 2, 3],
                                    SamplingConfig(temperature=1.0), 30, (), make_generator(5))
         return [t for s in steps for t in s.tokens]
     assert run() == run()

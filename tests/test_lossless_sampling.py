@@ -4,7 +4,7 @@ On a 6-token vocabulary we compute the target's exact joint distribution of the 
 NEW_TOKENS tokens (under each sampling configuration) and compare it with the empirical
 distribution of speculative decoding over RUNS seeded runs, with a chi-square test (cells whose
 expected count is below 5 pooled). Each check fails by chance with probability ALPHA = 1e-4;
-with the 8 checks below the suite's false-failure probability is below 1e-3. A deliberately
+with the 9 checks below the suite's false-failure probability is below 1e-3. A deliberately
 broken verifier (accept every draft token) must fail the same test: the test has power.
 """
 
@@ -17,7 +17,8 @@ from scipy.stats import chisquare
 
 import forerun.engine
 from forerun.engine import speculative_decode
-from forerun.policy import AdaptiveK, FixedK
+from forerun.policy import AdaptiveK, CostModelK, FixedK
+from forerun.profile import ForwardCurve
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.verify import Verdict
@@ -100,6 +101,15 @@ def test_speculative_sampling_matches_target_joint(method, k, sampling):
 def test_draft_matches_target_joint_with_adaptive_k():
     cfg = SAMPLINGS["temperature"]
     counts = empirical("draft", 1, cfg, policy=AdaptiveK, seed=7)
+    assert chi_square_pvalue(exact_joint(cfg), counts) > ALPHA
+
+
+def test_draft_matches_target_joint_with_cost_policy():
+    """On this curve the cost policy drafts 1 at the prior and turns off after a rejection: the
+    draft length depends on earlier outcomes, and the output must not."""
+    verify = ForwardCurve((1, 2, 3, 4), (1.0, 1.3, 1.6, 1.9))
+    cfg = SAMPLINGS["temperature"]
+    counts = empirical("draft", 3, cfg, policy=lambda k: CostModelK(k, verify, 0.1), seed=11)
     assert chi_square_pvalue(exact_joint(cfg), counts) > ALPHA
 
 

@@ -51,7 +51,8 @@ def add_bench_parser(sub, add_model_args) -> None:
     b.add_argument("--methods", default="draft,ngram", help="comma-separated drafting methods")
     b.add_argument("--ks", default="4", help="comma-separated draft lengths")
     b.add_argument("--temperatures", default="0", help="comma-separated; 0 = greedy")
-    b.add_argument("--policy", default="fixed", help="draft length policy for every cell")
+    b.add_argument("--policies", default="fixed",
+                   help="comma-separated draft length policies (fixed, adaptive, cost)")
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt at most")
     b.add_argument("--peers", nargs="?", const=",".join(PEER_NAMES), default="",
                    help=f"also run peers on the same prompts ({','.join(PEER_NAMES)}); "
@@ -75,10 +76,11 @@ def cmd_bench(args) -> int:
     stream = sys.stderr if args.json else sys.stdout
     console = Console(file=stream, width=None if stream.isatty() else TABLE_WIDTH)
     cfg = BenchConfig(methods=_csv(args.methods), ks=_csv(args.ks, int),
-                      temperatures=_csv(args.temperatures, float), policy=args.policy,
+                      temperatures=_csv(args.temperatures, float), policies=_csv(args.policies),
                       max_tokens=args.max_tokens, seed=args.seed)
     cfg.cells()  # validates method names and k before anything loads
-    load = LoadConfig(args.dtype, args.device, args.context, draft_dtype=args.draft_dtype)
+    load = LoadConfig(args.dtype, args.device, args.context, runtime=args.runtime,
+                      draft_dtype=args.draft_dtype)
     wants_draft = args.verify_curve or "draft" in cfg.methods
     with Console(stderr=True).status(f"loading {args.target}"):
         engine = Engine(args.target, args.draft if wants_draft else None,
@@ -172,7 +174,7 @@ def _verify_curve(engine: Engine, args, out: Path, meta: dict, console: Console)
 
 
 def _meta(args, load: LoadConfig) -> dict:
-    runtime = getattr(load, "runtime", "torch")
+    runtime = load.runtime
     return {"target": args.target, "draft": args.draft, "runtime": runtime,
             "dtype": resolve_dtype(load.dtype, load.device) if runtime == "torch" else "gguf",
             "draft_dtype": resolve_dtype(load.draft_dtype, load.device), "device": load.device,

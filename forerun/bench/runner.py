@@ -18,6 +18,7 @@ from forerun.api import Engine
 from forerun.bench.peers import Peer, Trace
 from forerun.bench.workloads import Prompt
 from forerun.metrics import GenerationStats
+from forerun.policy import POLICIES
 from forerun.propose import SpecConfig
 from forerun.sampling import SamplingConfig
 
@@ -30,16 +31,18 @@ class BenchConfig:
     methods: tuple[str, ...] = ("draft", "ngram")
     ks: tuple[int, ...] = (4,)
     temperatures: tuple[float, ...] = (0.0,)
-    policy: str = "fixed"
+    policies: tuple[str, ...] = ("fixed",)
     max_tokens: int = 128
     seed: int = 0
 
     def cells(self) -> list[tuple[str, SpecConfig]]:
-        """(label, spec) for the baseline and every method x k."""
-        suffix = "" if self.policy == "fixed" else f" {self.policy}"
+        """(label, spec) for the baseline and every method x k x policy."""
+        unknown = set(self.policies) - set(POLICIES)
+        if unknown:
+            raise ValueError(f"unknown policy {sorted(unknown)}; choose from {list(POLICIES)}")
         return [(BASELINE, SpecConfig("none"))] + [
-            (f"{m} k={k}{suffix}", SpecConfig(m, k, self.policy))
-            for m in self.methods for k in self.ks]
+            (f"{m} k={k}" + ("" if p == "fixed" else f" {p}"), SpecConfig(m, k, p))
+            for m in self.methods for k in self.ks for p in self.policies]
 
 
 @dataclass

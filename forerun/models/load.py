@@ -1,13 +1,15 @@
 """Opening models from any source a user has: catalog name, GGUF file, HF directory, HF hub id.
 
 Owns: resolving a source string to a `ModelSource` (config + tokenizer, cheap to open) and
-turning it into a runtime (weights dequantized to the requested dtype). Opening is split from
+turning it into a runtime (see RUNTIMES: our torch Transformer with the weights dequantized to
+the requested dtype, or llama.cpp running the GGUF file as it is). Opening is split from
 loading so that checks such as a draft/target vocabulary mismatch fail before gigabytes load.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch
 from forerun.models.catalog import CATALOG, ModelError, lookup, pull
 from forerun.models.gguf_file import GGUFFile
 from forerun.models.tokenizer import TextTokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
-from forerun.runtime.base import ModelConfig
+from forerun.runtime.base import ModelConfig, Runtime
 from forerun.runtime.torch_model import TorchRuntime, Transformer
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
@@ -69,17 +71,50 @@ class ModelSource:
     gguf: GGUFFile | None = None
 
     def load(self, *, dtype: str = "auto", device: str = "cpu",
-             context: int = DEFAULT_CONTEXT) -> TorchRuntime:
-        dtype = resolve_dtype(dtype, device)
-        if dtype not in DTYPES:
-            raise ModelError(f"unknown dtype {dtype!r}; choose auto or {', '.join(DTYPES)}")
-        torch_dtype = DTYPES[dtype]
-        weights = (_gguf_weights if self.kind == "gguf" else _hf_weights)(self, torch_dtype)
-        with torch.device("meta"):
-            model = Transformer(self.config)
-        model = model.to_empty(device=device).to(torch_dtype)
-        model.load_canonical({k: v.to(device) for k, v in weights.items()})
-        return TorchRuntime(model.eval(), capacity=context)
+             context: int = DEFAULT_CONTEXT, runtime: str = "torch") -> Runtime:
+        """`runtime`: a key of RUNTIMES; `dtype` applies to the torch runtime only."""
+        if runtime not in RUNTIMES:
+            raise ModelError(f"unknown runtime {runtime!r}; choose {', '.join(RUNTIMES)}")
+        return RUNTIMES[runtime](self, dtype, device, context)
+
+
+def _load_torch(src: ModelSource, dtype: str, device: str, context: int) -> TorchRuntime:
+    """Weights dequantized to `dtype` into our own Transformer."""
+    dtype = resolve_dtype(dtype, device)
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}; choose auto or {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    weights = (_gguf_weights if src.kind == "gguf" else _hf_weights)(src, torch_dtype)
+    with torch.device("meta"):
+        model = Transformer(src.config)
+    model = model.to_empty(device=device).to(torch_dtype)
+    model.load_canonical({k: v.to(device) for k, v in weights.items()})
+    return TorchRuntime(model.eval(), capacity=context)
+
+
+def _load_llama_cpp(src: ModelSource, dtype: str, device: str, context: int) -> Runtime:
+    """The GGUF file as it is, on llama.cpp's quantized kernels; `dtype` does not apply."""
+    if src.kind != "gguf":
+        raise ModelError(f"runtime llama.cpp runs GGUF files; {src.path} is a Hugging Face "
+                         "directory (convert it with llama.cpp's convert_hf_to_gguf.py, or use "
+                         "--runtime torch)")
+    try:
+        from forerun.runtime.llama_cpp import LlamaCppRuntime
+    except (ImportError, OSError) as e:  # OSError: installed, but its shared library is broken
+        raise ModelError(f"runtime llama.cpp needs llama-cpp-python ({e}): pip install "
+                         "'forerun[llama]' (or `make install`; it compiles for a few minutes)"
+                         ) from e
+    try:
+        return LlamaCppRuntime(src.path, src.config, context, gpu=device.startswith("cuda"))
+    except RuntimeError as e:
+        raise ModelError(str(e)) from e
+
+
+# runtime name -> loader(source, dtype, device, context)
+RUNTIMES: dict[str, Callable[[ModelSource, str, str, int], Runtime]] = {
+    "torch": _load_torch,
+    "llama.cpp": _load_llama_cpp,
+}
 
 
 def open_model(source: str) -> ModelSource:

@@ -18,7 +18,7 @@ from forerun.runtime.base import Runtime
 @dataclass(frozen=True)
 class SpecConfig:
     method: str = "draft"  # "none" (plain decoding) or a key of PROPOSERS
-    k: int = 4  # draft tokens per step (the start value for an adaptive policy)
+    k: int = 4  # draft tokens per step (the start value for adaptive, the cap for cost)
     policy: str = "fixed"  # a key of forerun.policy.POLICIES
     ngram_min: int = 1
     ngram_max: int = 4

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from forerun.runtime.base import Runtime
 from forerun.sampling import SamplingConfig
 
 
@@ -28,6 +29,7 @@ class Draft:
 
 class Proposer(Protocol):
     name: str
+    runtime: Runtime | None  # the model it runs once per drafted token; None = free to draft
 
     def prefill(self, prompt: list[int]) -> None:
         """Start a new sequence with this prompt."""

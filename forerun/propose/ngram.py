@@ -8,6 +8,7 @@ suffix that occurred before, proposes up to k tokens that followed its most rece
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ class NgramProposer:
     min_n: int = 1
     max_n: int = 4
     name: str = "ngram"
+    runtime: ClassVar[None] = None  # no model: drafting costs no forward passes
 
     def __post_init__(self):
         if not 1 <= self.min_n <= self.max_n:

@@ -1,0 +1,129 @@
+"""Measuring a runtime's forward-time curve: seconds for one forward pass over n new tokens.
+
+Owns: `ForwardCurve` (measured points, interpolated between them) and its measurement, which
+works on any Runtime because it only appends tokens, times the forward pass and truncates.
+The cost-model length policy reads these curves: the target's curve prices a verify step over
+k+1 tokens, the draft's curve at one token prices each drafted token.
+
+Invariants: measurement leaves the runtime empty (length 0), so callers must measure before a
+generation, never inside one. `calibrated_curve` measures each runtime object once, at its first
+use, and caches the curve for as long as the runtime lives; that first use pays a few dozen
+forward passes (CALIBRATION_REPS + CALIBRATION_WARMUP per size), which the CLI's --compare and
+`forerun bench` spend in their untimed warm-up runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from bisect import bisect_right
+from dataclasses import dataclass
+from time import perf_counter
+from weakref import WeakKeyDictionary
+
+import torch
+
+from forerun.runtime.base import Runtime
+
+FILLER_SEED = 0  # the context tokens are a fixed pseudo-random sequence: any ids time the same
+CALIBRATION_CONTEXT = 200  # cached tokens in front of the timed ones, as in a short chat
+CALIBRATION_REPS = 3  # timed forwards per size at first use (the median is kept)
+CALIBRATION_WARMUP = 1  # untimed forwards per size first (allocator, kernel selection)
+DENSE_SIZES = 4  # calibrate every size up to this, then doubling sizes and the largest one
+
+
+@dataclass(frozen=True)
+class ForwardCurve:
+    """Seconds per forward pass at measured sizes (strictly increasing numbers of new tokens).
+
+    Between sizes: linear interpolation; below the first size: its time (a forward is never
+    cheaper than the smallest one measured); beyond the last size: the last segment's slope,
+    never negative (more tokens never take less time); a single measured size is a flat curve.
+    """
+
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        if not self.sizes or len(self.sizes) != len(self.seconds):
+            raise ValueError(f"need one time per size, got {self.sizes} and {self.seconds}")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:], strict=False)):
+            raise ValueError(f"sizes must be strictly increasing, got {self.sizes}")
+
+    def __call__(self, n_tokens: float) -> float:
+        sizes, seconds = self.sizes, self.seconds
+        if n_tokens <= sizes[0] or len(sizes) == 1:
+            return seconds[0]
+        if n_tokens > sizes[-1]:
+            slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2])
+            return seconds[-1] + max(slope, 0.0) * (n_tokens - sizes[-1])
+        i = bisect_right(sizes, n_tokens)  # sizes[i-1] <= n_tokens < sizes[i], or n = the last
+        i = min(i, len(sizes) - 1)
+        slope = (seconds[i] - seconds[i - 1]) / (sizes[i] - sizes[i - 1])
+        return seconds[i - 1] + slope * (n_tokens - sizes[i - 1])
+
+    def to_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "seconds": list(self.seconds)}
+
+
+def measure_forward_curve(runtime: Runtime, sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
+                          context: int = CALIBRATION_CONTEXT, reps: int = 5,
+                          warmup: int = 1) -> ForwardCurve:
+    """Time one forward over `size` new tokens after `context` cached ones, for each size.
+
+    The context shrinks to fit the cache if it must. Each size keeps the median of `reps` timed
+    passes after `warmup` untimed ones; the cache is truncated back to the context between
+    passes, and to 0 at the end.
+    """
+    sizes = tuple(sorted(set(sizes)))
+    if not sizes or sizes[0] < 1 or sizes[-1] > runtime.capacity:
+        raise ValueError(f"sizes must lie in 1..{runtime.capacity} (the capacity), got {sizes}")
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"need reps >= 1 and warmup >= 0, got {reps} and {warmup}")
+    context = max(0, min(context, runtime.capacity - sizes[-1]))
+    filler = torch.Generator().manual_seed(FILLER_SEED)
+    ids = torch.randint(runtime.config.vocab_size, (context + sizes[-1],), generator=filler)
+    runtime.truncate(0)
+    try:
+        if context:
+            runtime.forward(ids[:context], last_only=True)
+        seconds = []
+        for size in sizes:
+            times = []
+            for rep in range(warmup + reps):
+                start = perf_counter()
+                runtime.forward(ids[context:context + size])  # logits for every token, as verify
+                elapsed = perf_counter() - start
+                runtime.truncate(context)
+                if rep >= warmup:
+                    times.append(elapsed)
+            seconds.append(statistics.median(times))
+    finally:
+        runtime.truncate(0)
+    return ForwardCurve(sizes, tuple(seconds))
+
+
+_curves: WeakKeyDictionary[Runtime, ForwardCurve] = WeakKeyDictionary()
+
+
+def calibration_sizes(max_tokens: int) -> tuple[int, ...]:
+    """1..DENSE_SIZES, then doubling sizes, then `max_tokens`: dense where draft lengths live."""
+    sizes, n = set(range(1, min(DENSE_SIZES, max_tokens) + 1)), DENSE_SIZES
+    while n < max_tokens:
+        sizes.add(n)
+        n *= 2
+    return tuple(sorted(sizes | {max_tokens}))
+
+
+def calibrated_curve(runtime: Runtime, max_tokens: int) -> ForwardCurve:
+    """The runtime's curve up to `max_tokens`, measured at its first use and then cached.
+
+    Measures again (and replaces the cached curve) only when a larger size is asked for.
+    Empties the runtime's cache when it measures.
+    """
+    max_tokens = min(max_tokens, runtime.capacity)
+    curve = _curves.get(runtime)
+    if curve is None or curve.sizes[-1] < max_tokens:
+        curve = measure_forward_curve(runtime, calibration_sizes(max_tokens),
+                                      reps=CALIBRATION_REPS, warmup=CALIBRATION_WARMUP)
+        _curves[runtime] = curve
+    return curve

@@ -1,0 +1,177 @@
+"""The llama.cpp runtime behind the Runtime protocol: chunked and token-by-token forwards agree,
+rollback reproduces logits, limits hold, bad input fails clearly, and greedy speculative decoding
+on it equals plain greedy decoding on it up to documented near-ties."""
+
+import sys
+
+import pytest
+import torch
+from tiny_files import byte_tokens, random_hf_weights, write_gguf, write_hf_dir
+
+from forerun import Engine, LoadConfig, SpecConfig
+from forerun.models.catalog import ModelError
+from forerun.models.load import open_model
+
+pytest.importorskip("llama_cpp")
+from forerun.runtime.llama_cpp import LlamaCppRuntime
+
+real = pytest.mark.real
+SMOL = "smollm2-135m-instruct"
+CONTEXT = 512
+PROMPT = "Write a Python function that checks whether a string is a palindrome."
+PROMPTS = [  # (prompt, raw): a chat request, and a raw code continuation that copies a lot
+    (PROMPT, False),
+    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+     "        self.items.append(x)\n\n", True),
+]
+MAX_TOKENS = 48
+# llama.cpp quantizes activations to 8 bits and picks its matmul kernels by batch size, so a
+# k+1-token verify pass and a 1-token plain pass may round differently: on the Qwen2.5-Coder
+# Q4_K_M target by up to ~0.15 near the top logits (divergences seen at top-2 gaps of 0.018-0.20,
+# README). On SmolLM2-135M Q4_1, the model here, the passes agree to the last bit, so this bound
+# is generous: a greedy difference is accepted only where the plain run's top-2 logit gap at the
+# first differing token is below it.
+NEAR_TIE = 0.1
+LOGIT_ATOL = 0.1  # chunked vs token-by-token forwards: the same scale
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return open_model(SMOL)
+
+
+@pytest.fixture(scope="module")
+def runtime(smol):
+    return smol.load(runtime="llama.cpp", context=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smol):
+    return torch.tensor(smol.tokenizer.encode_prompt(PROMPT))
+
+
+def one_by_one(rt, ids: torch.Tensor) -> torch.Tensor:
+    return torch.cat([rt.forward(ids[i:i + 1]).logits for i in range(ids.shape[0])])  # [T, V]
+
+
+@real
+def test_chunk_equals_token_by_token(runtime, prompt_ids):
+    runtime.truncate(0)
+    chunk = runtime.forward(prompt_ids).logits  # [T, V]
+    runtime.truncate(0)
+    single = one_by_one(runtime, prompt_ids)
+    assert chunk.shape == single.shape == (len(prompt_ids), runtime.config.vocab_size)
+    assert chunk.dtype == torch.float32
+    assert torch.equal(chunk.argmax(-1), single.argmax(-1))
+    assert torch.allclose(chunk, single, atol=LOGIT_ATOL, rtol=0)
+
+
+@real
+def test_truncate_then_forward_reproduces_logits(runtime, prompt_ids):
+    runtime.truncate(0)
+    full = runtime.forward(prompt_ids).logits
+    cut = len(prompt_ids) // 2
+    runtime.truncate(cut)
+    assert runtime.length == cut
+    again = runtime.forward(prompt_ids[cut:]).logits
+    assert torch.allclose(again, full[cut:], atol=LOGIT_ATOL, rtol=0)
+    runtime.truncate(cut)  # a wrong token, rolled back, leaves no trace
+    runtime.forward(torch.tensor([7, 8, 9]))
+    runtime.truncate(cut)
+    assert torch.allclose(runtime.forward(prompt_ids[cut:]).logits, again, atol=1e-5, rtol=0)
+
+
+@real
+def test_length_capacity_last_only_and_limits(runtime, prompt_ids):
+    runtime.truncate(0)
+    assert runtime.capacity == CONTEXT
+    out = runtime.forward(prompt_ids, last_only=True, hidden_layers=(-1,))
+    assert runtime.length == len(prompt_ids)
+    assert out.logits.shape == (1, runtime.config.vocab_size)
+    assert out.hidden[-1].shape == (1, runtime.config.dim)
+    with pytest.raises(ValueError, match="cannot truncate"):
+        runtime.truncate(runtime.length + 1)
+    with pytest.raises(ValueError, match="context full"):
+        runtime.forward(torch.zeros(CONTEXT, dtype=torch.long))
+    with pytest.raises(ValueError, match="token ids"):
+        runtime.forward(torch.tensor([runtime.config.vocab_size]))
+    with pytest.raises(NotImplementedError, match="layer -1"):
+        runtime.forward(prompt_ids[:1], hidden_layers=(0,))
+    with pytest.raises(NotImplementedError, match="multi-sequence"):
+        runtime.forward(prompt_ids[:2], tree_mask=torch.ones(2, 2, dtype=torch.bool))
+    assert runtime.length == len(prompt_ids)  # failed calls change nothing
+
+
+@real
+def test_long_forward_is_chunked_past_the_batch_size(smol, runtime, prompt_ids):
+    small = LlamaCppRuntime(smol.path, smol.config, CONTEXT, batch=8)
+    chunked = small.forward(prompt_ids).logits
+    runtime.truncate(0)
+    whole = runtime.forward(prompt_ids).logits
+    assert torch.allclose(chunked, whole, atol=LOGIT_ATOL, rtol=0)
+    small.truncate(0)
+    last = small.forward(prompt_ids, last_only=True).logits
+    assert torch.allclose(last, whole[-1:], atol=LOGIT_ATOL, rtol=0)
+
+
+def test_hf_directory_with_llama_cpp_fails_clearly(tmp_path):
+    tokens = byte_tokens()
+    write_hf_dir(tmp_path / "hf", random_hf_weights(len(tokens)), tokens)
+    with pytest.raises(ModelError, match="runs GGUF files"):
+        open_model(str(tmp_path / "hf")).load(runtime="llama.cpp")
+
+
+def test_unknown_runtime_and_missing_package_fail_clearly(tmp_path, monkeypatch):
+    tokens = byte_tokens()
+    write_gguf(tmp_path / "tiny.gguf", random_hf_weights(len(tokens)), tokens)
+    src = open_model(str(tmp_path / "tiny.gguf"))
+    with pytest.raises(ModelError, match="unknown runtime"):
+        src.load(runtime="onnx")
+    monkeypatch.setitem(sys.modules, "forerun.runtime.llama_cpp", None)
+    with pytest.raises(ModelError, match=r"pip install 'forerun\[llama\]'"):
+        src.load(runtime="llama.cpp")
+
+
+# --- greedy losslessness ------------------------------------------------------------------------
+
+def plain_top2_gap(rt, prompt: list[int], out: list[int], i: int) -> float:
+    """The plain run's top-2 logit gap for out[i]: prompt, then out[:i] one token per pass."""
+    rt.truncate(0)
+    logits = rt.forward(torch.tensor(prompt), last_only=True).logits
+    for token in out[:i]:
+        logits = rt.forward(torch.tensor([token])).logits
+    top = logits[-1].topk(2).values
+    return float(top[0] - top[1])
+
+
+@pytest.fixture(scope="module")
+def engine(smol, runtime):
+    draft = smol.load(runtime="llama.cpp", context=CONTEXT)
+    return Engine.from_runtimes(runtime, smol.tokenizer, draft)
+
+
+@real
+@pytest.mark.parametrize(("prompt", "raw"), PROMPTS)
+def test_speculative_greedy_equals_plain_up_to_near_ties(engine, prompt, raw):
+    ids = engine.encode(prompt, raw)
+    plain = engine.generate(ids, max_tokens=MAX_TOKENS, spec=SpecConfig("none")).token_ids
+    assert len(plain) == MAX_TOKENS
+    for spec in (SpecConfig("ngram", 4), SpecConfig("draft", 4)):
+        out = engine.generate(ids, max_tokens=MAX_TOKENS, spec=spec)
+        pairs = zip(plain, out.token_ids, strict=False)
+        i = next((j for j, (a, b) in enumerate(pairs) if a != b), None)
+        if i is None:
+            assert out.token_ids == plain, spec
+        else:
+            assert plain_top2_gap(engine.target, ids, plain, i) < NEAR_TIE, (spec, i)
+    # the same model as its own draft: every draft token is accepted, up to the same near-ties
+    assert out.stats.acceptance_rate > 0.9
+
+
+@real
+def test_engine_loads_llama_cpp_by_name():
+    engine = Engine(SMOL, SMOL, spec=SpecConfig("draft", 4),
+                    load=LoadConfig(runtime="llama.cpp", context=CONTEXT))
+    assert isinstance(engine.target, LlamaCppRuntime) and isinstance(engine.draft, LlamaCppRuntime)
+    out = engine.generate(PROMPT, max_tokens=8)
+    assert len(out.token_ids) == 8 and out.stats.accepted > 0
