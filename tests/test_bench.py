@@ -53,6 +53,8 @@ def test_sampling_is_per_category_and_seeded():
     assert len(a) == 7 * 3
     assert a == sample_workloads(["spec_bench", "editeval"], limit=3, seed=7)
     assert a != sample_workloads(["spec_bench", "editeval"], limit=3, seed=8)
+    b = sample_workloads(["spec_bench:1", "editeval:4"], limit=3, seed=7)
+    assert len(b) == 6 + 4
 
 
 def test_bad_workloads_fail_clearly(tmp_path):

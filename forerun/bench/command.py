@@ -44,8 +44,9 @@ def add_bench_parser(sub, add_model_args) -> None:
         "in one process, and report speedups per category: a table on stdout, results.json "
         "and bench.png in --out, and one JSON summary as the last stdout line.")
     b.add_argument("--workload", action="append", default=None,
-                   help=f"{' or '.join(BUILTIN)} or a JSONL file (repeatable; "
-                        "default: spec_bench and editeval)")
+                   help=f"{' or '.join(BUILTIN)} or a JSONL file, optionally NAME:N for N "
+                        "prompts per category of it (repeatable; default: spec_bench and "
+                        "editeval)")
     b.add_argument("--limit", type=int, default=5, help="prompts per category (0 = all)")
     b.add_argument("--seed", type=int, default=0, help="prompt sample, run order and sampling")
     b.add_argument("--methods", default="draft,ngram", help="comma-separated drafting methods")

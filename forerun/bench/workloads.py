@@ -81,15 +81,26 @@ def read_workload(source: str) -> list[Prompt]:
     return prompts
 
 
+def split_limit(source: str, limit: int | None) -> tuple[str, int | None]:
+    """"editeval:40" -> ("editeval", 40): a per-workload limit overrides the common one."""
+    name, sep, n = source.rpartition(":")
+    if sep and n.isdigit() and name:
+        return name, int(n) or None
+    return source, limit
+
+
 def sample_workloads(sources: list[str], limit: int | None, seed: int) -> list[Prompt]:
-    """Up to `limit` prompts per category (a seeded sample), categories in first-seen order."""
+    """Up to `limit` prompts per category (a seeded sample), categories in first-seen order.
+    A source may carry its own limit as NAME:N."""
     by_category: dict[str, list[Prompt]] = {}
+    limits: dict[str, int | None] = {}
     for source in sources:
-        for p in read_workload(source):
+        path, source_limit = split_limit(source, limit)
+        for p in read_workload(path):
             by_category.setdefault(p.category, []).append(p)
+            limits[p.category] = source_limit
     chosen = []
     for category, prompts in by_category.items():
-        rng = random.Random(f"{seed}:{category}")
-        picked = prompts if limit is None else rng.sample(prompts, min(limit, len(prompts)))
-        chosen.extend(picked)
+        rng, n = random.Random(f"{seed}:{category}"), limits[category]
+        chosen.extend(prompts if n is None else rng.sample(prompts, min(n, len(prompts))))
     return chosen
