@@ -9,15 +9,16 @@ live in `forerun.engine` and `forerun.reference` and know nothing of text.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 
 from forerun.engine import speculative_decode
+from forerun.heads import Heads, load_heads
 from forerun.metrics import GenerationStats, Step
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
-from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model
+from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model, target_io
 from forerun.models.tokenizer import IncrementalDecoder, TextTokenizer
-from forerun.policy import POLICIES
+from forerun.policy import POLICIES, LengthPolicy
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.reference import plain_decode
 from forerun.runtime.base import Runtime
@@ -35,6 +36,15 @@ class LoadConfig:
     # The draft's precision never changes the output (the target verifies every token), only
     # its speed: "auto" runs it in bfloat16 where that is fast, even under a float32 target.
     draft_dtype: str = "auto"
+    # > 0: the draft computes logits for this many frequent tokens only (torch runtime); the
+    # output is unchanged, only the draft step gets cheaper (see TorchRuntime.limit_vocab)
+    draft_vocab: int = 0
+    heads: str | None = None  # trained Medusa/Hydra/EAGLE heads for the target (forerun train)
+
+    def __post_init__(self):
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0 = full vocabulary), got "
+                             f"{self.draft_vocab}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,20 @@ class Completion:
         return {"text": self.text, "token_ids": self.token_ids,
                 "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
                 "stats": self.stats.to_dict()}
+
+
+@dataclass
+class CappedK:
+    """A length policy whose k is capped by a value read at each step (e.g. from server load)."""
+
+    policy: LengthPolicy
+    cap: Callable[[], int]
+
+    def next_k(self) -> int:
+        return min(self.policy.next_k(), self.cap())
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.policy.update(drafted, accepted)
 
 
 def check_same_vocabulary(target: ModelSource, draft: ModelSource) -> None:
@@ -83,18 +107,41 @@ class Engine:
         kwargs = {"dtype": load.dtype, "device": load.device, "context": load.context,
                   "runtime": load.runtime}
         draft_kwargs = kwargs | {"dtype": load.draft_dtype}
-        self._attach(target_src.load(**kwargs), target_src.tokenizer,
-                     draft_src.load(**draft_kwargs) if draft_src else None, spec)
+        draft_rt = draft_src.load(**draft_kwargs) if draft_src else None
+        if draft_rt is not None and load.draft_vocab > 0:
+            if not hasattr(draft_rt, "limit_vocab"):
+                raise ModelError(f"a reduced draft vocabulary needs the torch runtime, not "
+                                 f"{load.runtime}")
+            draft_rt.limit_vocab(target_src.tokenizer.frequent_ids(load.draft_vocab))
+        target_rt = target_src.load(**kwargs)
+        heads = None
+        if load.heads:
+            heads = load_heads(load.heads, target_io(target_src, target_rt), target_src.name,
+                               load.context)
+            if load.runtime != "torch" and set(heads.cfg.layers) - {-1}:
+                raise ModelError(f"{heads.cfg.kind} heads read target layers "
+                                 f"{list(heads.cfg.layers)}; the {load.runtime} runtime exposes "
+                                 "only the final one (-1): use --runtime torch")
+        self._attach(target_rt, target_src.tokenizer, draft_rt, spec, heads)
 
     @classmethod
     def from_runtimes(cls, target: Runtime, tokenizer: TextTokenizer,
-                      draft: Runtime | None = None, spec: SpecConfig | None = None) -> Engine:
+                      draft: Runtime | None = None, spec: SpecConfig | None = None,
+                      heads: Heads | None = None) -> Engine:
         engine = cls.__new__(cls)
-        engine._attach(target, tokenizer, draft, spec or SpecConfig())
+        engine._attach(target, tokenizer, draft, spec or SpecConfig(), heads)
         return engine
 
-    def _attach(self, target, tokenizer, draft, spec) -> None:
+    def _attach(self, target, tokenizer, draft, spec, heads=None) -> None:
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
+        self.heads = heads
+
+    def fork(self) -> Engine:
+        """An engine over the same weights with KV caches of its own: one more sequence that can
+        be decoded between the steps of this engine's (the server holds one per request)."""
+        return Engine.from_runtimes(self.target.fork(), self.tokenizer,
+                                    self.draft.fork() if self.draft is not None else None,
+                                    self.spec, self.heads)
 
     def encode(self, prompt: str | list[int], raw: bool = False) -> list[int]:
         if isinstance(prompt, list):
@@ -103,8 +150,11 @@ class Engine:
 
     def stream(self, prompt: str | list[int], *, sampling: SamplingConfig | None = None,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: tuple[str, ...] = (),
-               raw: bool = False, spec: SpecConfig | None = None) -> Iterator[Chunk]:
-        """Yield text as it is generated; `spec` overrides the engine's speculation config."""
+               raw: bool = False, spec: SpecConfig | None = None,
+               k_cap: Callable[[], int] | None = None) -> Generator[Chunk, None, None]:
+        """Yield text as it is generated; `spec` overrides the engine's speculation config;
+        `k_cap`, read before every verify step, caps the draft length (0 = a plain step): a
+        server lowers it under load. One chunk per target forward pass."""
         sampling, spec = sampling or SamplingConfig(), spec or self.spec
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -114,9 +164,11 @@ class Engine:
         if spec.method == "none":
             steps = plain_decode(self.target, ids, sampling, max_tokens, stop_ids, generator)
         else:
-            proposer = PROPOSERS[spec.method](spec, self.target, self.draft)
+            proposer = PROPOSERS[spec.method](spec, self.target, self.draft, self.heads)
             # the cost policy measures forward times at a runtime's first use (see profile.py)
             policy = POLICIES[spec.policy](spec, self.target, proposer.runtime)
+            if k_cap is not None:
+                policy = CappedK(policy, k_cap)
             steps = speculative_decode(self.target, proposer, policy, ids, sampling, max_tokens,
                                        stop_ids, generator)
         decoder, text, sent = IncrementalDecoder(self.tokenizer), "", 0

@@ -1,4 +1,4 @@
-"""The `forerun` command line: `generate`, `bench` and `models {list,pull}`.
+"""The `forerun` command line: `generate`, `bench`, `serve`, `train` and `models {list,pull}`.
 
 Owns: argument parsing, terminal output (streamed text on stdout, stats on stderr, or one JSON
 object with --json) and turning expected errors into a one-line message and exit status 2.
@@ -29,7 +29,9 @@ from forerun.models.load import DEFAULT_CONTEXT, DTYPES, RUNTIMES
 from forerun.policy import POLICIES
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.sampling import SamplingConfig, SamplingError
+from forerun.serve.command import add_serve_parser
 from forerun.stopping import ContextError
+from forerun.train import add_train_parser
 
 EXIT_USAGE = 2
 WARMUP_TOKENS = 2  # --compare warms both paths up before timing them
@@ -49,13 +51,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-dtype", default="auto", choices=["auto", *DTYPES],
                    help="the draft model's dtype; it changes speed, never the output "
                         "(default: %(default)s)")
+    g.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="draft over the N most frequent tokens only (FR-Spec: a smaller LM head, "
+                        "a cheaper draft step; the target still verifies over all tokens, so "
+                        "the output is unchanged); 0 = full vocabulary (default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     g.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                    help="KV cache slots: prompt + output tokens (default: %(default)s)")
+    g.add_argument("--heads", default=None, metavar="PATH",
+                   help="trained Medusa/Hydra/EAGLE heads for the target (a directory made by "
+                        "`forerun train`); use with --method medusa|hydra|eagle|eagle3")
     g.add_argument("--runtime", default="torch", choices=list(RUNTIMES),
                    help="torch: our transformer, weights dequantized to --dtype; llama.cpp: the "
                         "GGUF file on llama.cpp's quantized kernels, --dtype ignored (needs "
                         "forerun[llama]) (default: %(default)s)")
+
+
+def load_config(args: argparse.Namespace) -> LoadConfig:
+    """The LoadConfig of the arguments add_model_args defined."""
+    return LoadConfig(args.dtype, args.device, args.context, runtime=args.runtime,
+                      draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab,
+                      heads=args.heads)
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +86,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "draft, -1 otherwise); cost (picks the k <= -k with the most expected "
                         "tokens/s from forward times measured at first use; k = 0, plain "
                         "decoding, where speculation does not pay) (default: %(default)s)")
+    g.add_argument("--tree", type=int, default=0, metavar="NODES",
+                   help="head methods: draft a token tree of this many nodes, k deep, grown by "
+                        "head confidence (EAGLE-2); 0 = a chain of k tokens (default: %(default)s)")
+    g.add_argument("--tree-topk", type=int, default=4,
+                   help="head methods: children kept per expanded tree node (default: %(default)s)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix to look up")
 
@@ -117,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--all", action="store_true", help="every catalog model")
     pl.set_defaults(func=cmd_models_pull)
     add_bench_parser(sub, add_model_args)
+    add_serve_parser(sub, add_model_args, add_spec_args)
+    add_train_parser(sub, add_model_args)
     return parser
 
 
@@ -138,9 +161,9 @@ def cmd_generate(args) -> int:
     if not prompt.strip():
         raise ValueError("empty prompt: pass it as an argument or on stdin")
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
-    spec = SpecConfig(args.method, args.k, args.policy, args.ngram_min, args.ngram_max)
-    load = LoadConfig(args.dtype, args.device, args.context, draft_dtype=args.draft_dtype,
-                      runtime=args.runtime)
+    spec = SpecConfig(args.method, args.k, args.policy, args.ngram_min, args.ngram_max,
+                      args.tree, args.tree_topk)
+    load = load_config(args)
     needs_draft = args.method == "draft"
     with err.status(f"loading {args.target}" + (f" + {args.draft}" if needs_draft else "")):
         engine = Engine(args.target, args.draft if needs_draft else None, spec=spec, load=load)

@@ -3,7 +3,10 @@
 Owns: the order of those phases and the KV-cache invariant between them. Before each verify step
 the target's cache holds every token of the sequence except the last one (the "pending" token);
 verification feeds [pending, draft...] in one forward pass, and rollback is a truncate to the
-accepted prefix. Knows nothing of text: tokens in, tokens out.
+accepted prefix. A tree draft is verified in the same single pass (tree mask and positions)
+and its cache compacted to the accepted path. Proposers that draft from the target's features
+(heads) name the layers they need and are fed them for every token that enters the cache.
+Knows nothing of text: tokens in, tokens out.
 """
 
 from __future__ import annotations
@@ -20,35 +23,56 @@ from forerun.reference import prefill
 from forerun.runtime.base import Runtime
 from forerun.sampling import SamplingConfig, logits_to_probs
 from forerun.stopping import cut
-from forerun.verify import rejection_sample
+from forerun.tree import TokenTree
+from forerun.verify import recursive_rejection_sample, rejection_sample
 
 
 def speculative_decode(target: Runtime, proposer: Proposer, policy: LengthPolicy,
                        prompt: list[int], sampling: SamplingConfig, max_new_tokens: int,
                        stop_ids: Collection[int], generator: torch.Generator) -> Iterator[Step]:
+    layers = getattr(proposer, "hidden_layers", ())  # target features a head drafts from
     # 1. Prefill: target and proposer see the prompt; the target samples the first token.
     proposer.prefill(prompt)
-    tokens = [*prompt, prefill(target, prompt, sampling, generator)]
+    first, hidden = prefill(target, prompt, sampling, generator, layers)
+    if layers:
+        proposer.feed(hidden)  # features of every cached token: the whole prompt
+    tokens = [*prompt, first]
     out, finish = cut(tokens[-1:], stop_ids, max_new_tokens, target.capacity - len(prompt))
     emitted = len(out)
     yield Step(out, 0, 0, time.perf_counter(), finish, prefill=True)
     while not finish:
         room = target.capacity - len(tokens)  # context slots left after the pending token
-        # 2. Propose up to k tokens (never more than could be emitted or fit).
+        # 2. Propose up to k tokens deep (never more than could be emitted or fit).
         k = max(0, min(policy.next_k(), max_new_tokens - emitted - 1, room))
-        draft = proposer.propose(tokens, k, sampling, generator)
-        # 3. Verify: one target pass over the pending token and the draft -> p [K+1, V].
+        draft = proposer.propose(tokens, k, sampling, generator).fit(room)
+        tree = TokenTree.of(draft.parents, len(draft.tokens))
+        # 3. Verify: one target pass over the pending token and the draft -> p [N+1, V].
         base = target.length
-        logits = target.forward(torch.cat([torch.tensor(tokens[-1:]), draft.tokens])).logits
-        verdict = rejection_sample(draft.tokens, logits_to_probs(logits, sampling), draft.q,
-                                   generator)
-        # 4. Commit the accepted prefix, roll back the rest (target and proposer caches).
-        target.truncate(base + 1 + verdict.num_accepted)
+        feed = torch.cat([torch.tensor(tokens[-1:]), draft.tokens])  # [N+1]
+        shape = {} if tree.is_chain else {"positions": tree.positions(base),
+                                          "tree_mask": tree.mask()}
+        output = target.forward(feed, hidden_layers=layers, **shape)
+        p = logits_to_probs(output.logits, sampling)  # [N+1, V]
+        if tree.is_chain:
+            verdict = rejection_sample(draft.tokens, p, draft.q, generator)
+            path = list(range(verdict.num_accepted))
+        else:
+            verdict = recursive_rejection_sample(tree, draft.tokens, p, draft.q, generator)
+            path = verdict.path
+        # 4. Commit the accepted path, drop the rest (target and proposer caches).
+        rows = [0, *(i + 1 for i in path)]  # the verify pass's rows now final
+        if tree.is_chain:
+            target.truncate(base + len(rows))
+        else:
+            target.keep(base, rows)
         tokens.extend(verdict.tokens)
         proposer.commit(len(tokens) - 1)
+        if layers:
+            proposer.feed({i: h[rows] for i, h in output.hidden.items()})
         # 5. Adapt the draft length, then emit what verification produced.
-        policy.update(len(draft.tokens), verdict.num_accepted)
+        drafted = max(tree.depth, default=0)  # tokens deep: a chain's length
+        policy.update(drafted, len(path))
         out, finish = cut(verdict.tokens, stop_ids, max_new_tokens - emitted,
                           target.capacity - len(prompt) - emitted)
         emitted += len(out)
-        yield Step(out, len(draft.tokens), verdict.num_accepted, time.perf_counter(), finish)
+        yield Step(out, drafted, len(path), time.perf_counter(), finish)

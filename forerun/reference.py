@@ -16,18 +16,20 @@ from forerun.stopping import check_prompt, cut
 
 
 def prefill(target: Runtime, prompt: list[int], sampling: SamplingConfig,
-            generator: torch.Generator) -> int:
-    """Fill the target's cache with the prompt and sample the first new token."""
+            generator: torch.Generator, hidden_layers: tuple[int, ...] = ()
+            ) -> tuple[int, dict[int, torch.Tensor]]:
+    """Fill the target's cache with the prompt and sample the first new token; also return
+    the hidden states `hidden_layers` of every prompt token (layer -> [P, D])."""
     check_prompt(prompt, target.capacity)
     target.truncate(0)
-    logits = target.forward(torch.tensor(prompt), last_only=True).logits  # [1, V]
-    return int(sample(logits_to_probs(logits[-1], sampling), generator))
+    out = target.forward(torch.tensor(prompt), last_only=True, hidden_layers=hidden_layers)
+    return int(sample(logits_to_probs(out.logits[-1], sampling), generator)), out.hidden
 
 
 def plain_decode(target: Runtime, prompt: list[int], sampling: SamplingConfig,
                  max_new_tokens: int, stop_ids: Collection[int],
                  generator: torch.Generator) -> Iterator[Step]:
-    token = prefill(target, prompt, sampling, generator)
+    token, _ = prefill(target, prompt, sampling, generator)
     emitted, is_prefill = 0, True
     while True:
         room = target.capacity - len(prompt) - emitted

@@ -54,7 +54,10 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """[..., V] logits -> [..., V] probabilities under the sampling configuration."""
     if cfg.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / cfg.temperature
+    # shift first: a tiny temperature would overflow the raw logits to inf (and softmax to nan)
+    # (and one below the dtype's smallest normal would round to 0)
+    temperature = max(cfg.temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, -math.inf)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from forerun.sampling import sample
+from forerun.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,56 @@ def rejection_sample(
         # total == 0 only when p_n == q_n, where rejection has probability 0; guard anyway.
         last = sample(residual / total if total > 0 else p[n], generator)  # recovered
     return Verdict(tokens=[*draft_tokens[:n].tolist(), int(last)], num_accepted=n)
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    tokens: list[int]  # the accepted path's draft tokens, then the recovered or bonus token
+    path: list[int]  # the accepted nodes, root's child first (len = number accepted)
+
+
+def recursive_rejection_sample(
+    tree: TokenTree,
+    draft_tokens: torch.Tensor,  # [N] int64, node i's token
+    p: torch.Tensor,  # [N+1, V] target probabilities; row 0 = after the root, row i+1 = node i
+    q: torch.Tensor | None,  # [N, V] the distribution node i was drawn from; None = chosen
+    generator: torch.Generator,
+) -> TreeVerdict:
+    """Walk the tree from the root; at each node try its children in order (SpecInfer;
+    Jeon et al. 2024, recursive rejection sampling). Child x with proposal q is accepted with
+    probability min(1, p(x) / q(x)); on rejection the target's distribution becomes the
+    residual norm(max(0, p - q)) and the next sibling is tried against it; when every child is
+    rejected the token is drawn from the last residual, and past an accepted leaf from p.
+
+    Lossless whenever each child's token was drawn from the q given for it, conditioned on the
+    siblings before it (so i.i.d. samples, samples without replacement with q renormalised
+    over what is left, or, with q = None, tokens picked deterministically, as one-hot q, as the
+    top-k of a head's distribution are). By induction from the last sibling: the residual after
+    a rejection does not depend on which token was rejected, and one rejection step turns
+    target p into min(p, q) + (1 - sum min(p, q)) * residual = p. A chain (one child per node)
+    is exactly `rejection_sample`. Greedy is T = 0: p is one-hot, a child is accepted iff it
+    is the target's argmax."""
+    path: list[int] = []
+    row = 0
+    while True:
+        target = p[row]  # [V]
+        accepted = None
+        for child in tree.children[row]:
+            x = int(draft_tokens[child])
+            proposal = q[child] if q is not None else None  # [V] or one-hot on x
+            q_x = float(proposal[x]) if proposal is not None else 1.0
+            u = float(torch.rand((), generator=generator, dtype=p.dtype))
+            if u * q_x < float(target[x]):
+                accepted = child
+                break
+            if proposal is None:
+                proposal = torch.zeros_like(target).index_fill_(0, draft_tokens[child], 1)
+            residual = (target - proposal).clamp_min(0)  # [V]
+            total = residual.sum()
+            # total == 0 only where rejection has probability 0; guard anyway.
+            target = residual / total if total > 0 else target
+        if accepted is None:
+            last = int(sample(target, generator))  # recovered (or bonus past a leaf)
+            return TreeVerdict([int(draft_tokens[i]) for i in path] + [last], path)
+        path.append(accepted)
+        row = accepted + 1

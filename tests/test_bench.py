@@ -88,6 +88,7 @@ def test_bench_writes_table_json_and_plot(pair, workload, tmp_path, capsys):
     assert all(r["identical"] for r in runs if r["label"] != BASELINE)
     assert all(r["new_tokens"] > 0 and r["wall_s"] > 0 for r in runs)
     assert (out / "bench.png").stat().st_size > 1000
+    assert "| 0 | editeval | draft k=4 | 1 |" in (out / "results.md").read_text()
 
 
 def test_verify_curve(pair, tmp_path, capsys):

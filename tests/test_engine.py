@@ -151,3 +151,17 @@ def test_engine_cuts_text_at_a_stop_string_spanning_tokens(method):
     assert out.text == full[: full.index(stop)] and out.finish_reason == "stop"
     streamed = "".join(c.text for c in engine.stream(prompt, max_tokens=30, stop=(stop,)))
     assert streamed == out.text
+
+
+@pytest.mark.parametrize("temperature", [0.0])
+def test_reduced_draft_vocabulary_stays_lossless(temperature):
+    """A draft that can only propose half the vocabulary: output still equals plain greedy."""
+    expected = plain(prompt=PROMPTS["no-match"])
+    target, draft = tiny_runtime(0), tiny_runtime(0, noise=0.05)
+    draft.limit_vocab(range(32))
+    proposer = PROPOSERS["draft"](SpecConfig("draft", 4), target, draft)
+    steps = list(speculative_decode(target, proposer, FixedK(4), PROMPTS["no-match"],
+                                    SamplingConfig(temperature=temperature), MAX_NEW, (),
+                                    make_generator(0)))
+    assert [t for s in steps for t in s.tokens] == expected
+    assert all(t < 32 for s in steps[1:] for t in s.tokens[:s.accepted])  # drafts from the subset

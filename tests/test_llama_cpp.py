@@ -2,11 +2,12 @@
 rollback reproduces logits, limits hold, bad input fails clearly, and greedy speculative decoding
 on it equals plain greedy decoding on it up to documented near-ties."""
 
+import gc
 import sys
 
 import pytest
 import torch
-from tiny_files import byte_tokens, random_hf_weights, write_gguf, write_hf_dir
+from tiny_files import SPECIAL, byte_tokens, random_hf_weights, write_gguf, write_hf_dir
 
 from forerun import Engine, LoadConfig, SpecConfig
 from forerun.models.catalog import ModelError
@@ -97,7 +98,7 @@ def test_length_capacity_last_only_and_limits(runtime, prompt_ids):
         runtime.forward(torch.tensor([runtime.config.vocab_size]))
     with pytest.raises(NotImplementedError, match="layer -1"):
         runtime.forward(prompt_ids[:1], hidden_layers=(0,))
-    with pytest.raises(NotImplementedError, match="multi-sequence"):
+    with pytest.raises(ValueError, match="ancestor mask"):
         runtime.forward(prompt_ids[:2], tree_mask=torch.ones(2, 2, dtype=torch.bool))
     assert runtime.length == len(prompt_ids)  # failed calls change nothing
 
@@ -119,6 +120,29 @@ def test_hf_directory_with_llama_cpp_fails_clearly(tmp_path):
     write_hf_dir(tmp_path / "hf", random_hf_weights(len(tokens)), tokens)
     with pytest.raises(ModelError, match="runs GGUF files"):
         open_model(str(tmp_path / "hf")).load(runtime="llama.cpp")
+
+
+def test_forks_share_the_model_and_hold_sequences_of_their_own(tmp_path):
+    """The server decodes several requests in turn, one fork each; a fork outlives the
+    runtime it came from (the model is freed with the last context using it)."""
+    tokens = [*byte_tokens()[:-len(SPECIAL)], "ab", *SPECIAL]  # llama.cpp needs a merge
+    write_gguf(tmp_path / "tiny.gguf", random_hf_weights(len(tokens)), tokens, merges=["a b"])
+    src = open_model(str(tmp_path / "tiny.gguf"))
+    first = src.load(runtime="llama.cpp", context=64)
+    second = first.fork()
+    x, y, last = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([9, 8, 7]), torch.tensor([6])
+    first.forward(x)
+    second.forward(y)
+    first_next = first.forward(last).logits
+    del first
+    gc.collect()
+    second_next = second.forward(last).logits
+    alone = src.load(runtime="llama.cpp", context=64)
+    want = alone.forward(torch.cat([x, last])).logits[-1:]
+    assert torch.allclose(first_next, want, atol=1e-4)
+    alone.truncate(0)
+    want = alone.forward(torch.cat([y, last])).logits[-1:]
+    assert torch.allclose(second_next, want, atol=1e-4) and second.length == 4
 
 
 def test_unknown_runtime_and_missing_package_fail_clearly(tmp_path, monkeypatch):

@@ -79,3 +79,41 @@ def test_prepacked_weights_compute_the_same_logits(dtype):
     tol = 1e-4 if dtype == torch.float32 else 0.1
     assert torch.allclose(a, b, atol=tol, rtol=tol)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_limit_vocab_keeps_the_kept_logits_and_masks_the_rest(dtype):
+    from conftest import tiny_model
+
+    from forerun.runtime.torch_model import TorchRuntime
+
+    tokens, kept = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([0, 2, 5, 9, 33, 63])
+    full = TorchRuntime(tiny_model(0).to(dtype), capacity=64).forward(tokens).logits  # [T, V]
+    small = TorchRuntime(tiny_model(0).to(dtype), capacity=64)
+    small.limit_vocab([*kept.tolist(), 5])  # duplicates are fine
+    got = small.forward(tokens).logits
+    assert got.shape == full.shape
+    tol = 1e-12 if dtype == torch.float64 else 0.1  # a smaller matmul: other rounding
+    assert torch.allclose(got[:, kept], full[:, kept], atol=tol, rtol=0)
+    rest = torch.ones(64, dtype=torch.bool).index_fill_(0, kept, False)
+    assert torch.isneginf(got[:, rest]).all()
+    with pytest.raises(ValueError, match="vocabulary ids"):
+        small.limit_vocab([64])
+
+
+def test_fork_shares_weights_and_keeps_a_cache_of_its_own():
+    """Two sequences stepped in turn on a runtime and its fork: each as if alone."""
+    first = tiny_runtime(4)
+    second = first.fork()
+    assert second.model is first.model and second.length == 0
+    x, y = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([2, 7, 1])
+    first.forward(x)
+    second.forward(y)
+    first_next = first.forward(torch.tensor([9])).logits
+    second_next = second.forward(torch.tensor([9])).logits
+    alone = tiny_runtime(4)
+    want = alone.forward(torch.cat([x, torch.tensor([9])])).logits[-1:]
+    assert torch.allclose(want, first_next, atol=1e-10)
+    alone.truncate(0)
+    want = alone.forward(torch.cat([y, torch.tensor([9])])).logits[-1:]
+    assert torch.allclose(want, second_next, atol=1e-10)

@@ -68,3 +68,10 @@ def test_incremental_decoder_never_splits_a_character():
     deltas = [decoder.push([i]) for i in ids]
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_tiny_temperature_is_near_greedy_not_nan():
+    logits = torch.tensor([1.0, 3.0, 2.0, 3.0 - 1e-3])
+    probs = logits_to_probs(logits, SamplingConfig(temperature=1e-300))
+    assert torch.isfinite(probs).all()
+    assert probs.argmax() == 1 and abs(float(probs.sum()) - 1) < 1e-6

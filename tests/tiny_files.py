@@ -66,7 +66,8 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
              .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_gguf(path, weights, tokens):
+def write_gguf(path, weights, tokens, merges=()):
+    """`merges`: BPE merges ("a b"); llama.cpp refuses to load a file with none."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -82,7 +83,7 @@ def write_gguf(path, weights, tokens):
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * (len(tokens) - len(SPECIAL)) + [3] * len(SPECIAL))
-    writer.add_token_merges([])
+    writer.add_token_merges(list(merges))
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
              "output_norm.weight", "lm_head.weight": "output.weight"}

@@ -55,6 +55,9 @@ def add_bench_parser(sub, add_model_args) -> None:
     b.add_argument("--policies", default="fixed",
                    help="comma-separated draft length policies (fixed, adaptive, cost)")
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt at most")
+    b.add_argument("--tree", type=int, default=0, metavar="NODES",
+                   help="head methods (with --heads): draft trees of this many nodes; 0 = chains")
+    b.add_argument("--tree-topk", type=int, default=4, help="head methods: children per node")
     b.add_argument("--peers", nargs="?", const=",".join(PEER_NAMES), default="",
                    help=f"also run peers on the same prompts ({','.join(PEER_NAMES)}); "
                         "--peers alone = all")
@@ -78,10 +81,12 @@ def cmd_bench(args) -> int:
     console = Console(file=stream, width=None if stream.isatty() else TABLE_WIDTH)
     cfg = BenchConfig(methods=_csv(args.methods), ks=_csv(args.ks, int),
                       temperatures=_csv(args.temperatures, float), policies=_csv(args.policies),
-                      max_tokens=args.max_tokens, seed=args.seed)
+                      max_tokens=args.max_tokens, seed=args.seed, tree=args.tree,
+                      tree_topk=args.tree_topk)
     cfg.cells()  # validates method names and k before anything loads
-    load = LoadConfig(args.dtype, args.device, args.context, runtime=args.runtime,
-                      draft_dtype=args.draft_dtype)
+    from forerun.cli import load_config  # cli imports this module
+
+    load = load_config(args)
     wants_draft = args.verify_curve or "draft" in cfg.methods
     with Console(stderr=True).status(f"loading {args.target}"):
         engine = Engine(args.target, args.draft if wants_draft else None,
@@ -104,8 +109,9 @@ def cmd_bench(args) -> int:
     title = f"forerun bench: {Path(str(args.target)).name} ({meta['runtime']}, {meta['dtype']})"
     console.print(report.table(cells, title))
     report.write_json(out / "results.json", meta | {"config": asdict(cfg)}, cells, runs)
+    (out / "results.md").write_text(report.markdown(cells, title))
     report.plot(out / "bench.png", cells, title)
-    console.print(f"wrote {out / 'results.json'} and {out / 'bench.png'}")
+    console.print(f"wrote {out / 'results.json'}, results.md and bench.png")
     print(json.dumps(report.summary(cells) | {"results": str(out / "results.json")}))
     return 0
 
@@ -178,6 +184,7 @@ def _meta(args, load: LoadConfig) -> dict:
     runtime = load.runtime
     return {"target": args.target, "draft": args.draft, "runtime": runtime,
             "dtype": resolve_dtype(load.dtype, load.device) if runtime == "torch" else "gguf",
-            "draft_dtype": resolve_dtype(load.draft_dtype, load.device), "device": load.device,
+            "draft_dtype": resolve_dtype(load.draft_dtype, load.device),
+            "draft_vocab": load.draft_vocab or "full", "device": load.device,
             "cpus": len(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}

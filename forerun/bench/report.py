@@ -105,24 +105,41 @@ def _means(cells: list[Cell]) -> list[Cell]:
     return out
 
 
+COLUMNS = ("T", "category", "method", "n", "speedup", "vs own plain", "tok/s", "acc. len",
+           "acc. rate", "TTFT s", "ITL p50 ms", "ITL p90 ms", "identical")
+
+
+def rows(cells: list[Cell]) -> list[tuple[str, ...]]:
+    """The report's rows, formatted (COLUMNS order): per temperature, categories as they came,
+    the mean last, the baseline first in each category."""
+    order = {c.category: i for i, c in enumerate(cells)}
+
+    def opt(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    return [(f"{c.temperature:g}", c.category, c.label, str(c.prompts), f"{c.speedup:.2f}x",
+             f"{c.vs_own_plain:.2f}x", f"{c.tokens_per_s:.2f}", opt(c.mean_accepted_length, ".2f"),
+             opt(c.acceptance_rate, ".2f"), f"{c.ttft_s:.2f}", f"{c.itl_p50_s * 1e3:.0f}",
+             f"{c.itl_p90_s * 1e3:.0f}", opt(c.identical, ".2f"))
+            for c in sorted(cells, key=lambda c: (c.temperature, c.category == MEAN,
+                                                  order[c.category], c.label != BASELINE))]
+
+
 def table(cells: list[Cell], title: str) -> Table:
     t = Table(title=title, title_justify="left")
-    for col in ("T", "category", "method", "n", "speedup", "vs own plain", "tok/s", "acc. len",
-                "acc. rate", "TTFT s", "ITL p50 ms", "ITL p90 ms", "identical"):
+    for col in COLUMNS:
         t.add_column(col, justify="left" if col in ("category", "method") else "right")
-    order = {c.category: i for i, c in enumerate(cells)}
-    for c in sorted(cells, key=lambda c: (c.temperature, c.category == MEAN,
-                                          order[c.category], c.label != BASELINE)):
-
-        def opt(x, fmt):
-            return "-" if x is None else format(x, fmt)
-
-        t.add_row(f"{c.temperature:g}", c.category, c.label, str(c.prompts),
-                  f"{c.speedup:.2f}x", f"{c.vs_own_plain:.2f}x", f"{c.tokens_per_s:.2f}",
-                  opt(c.mean_accepted_length, ".2f"), opt(c.acceptance_rate, ".2f"),
-                  f"{c.ttft_s:.2f}", f"{c.itl_p50_s * 1e3:.0f}", f"{c.itl_p90_s * 1e3:.0f}",
-                  opt(c.identical, ".2f"))
+    for row in rows(cells):
+        t.add_row(*row)
     return t
+
+
+def markdown(cells: list[Cell], title: str) -> str:
+    """The same table as GitHub markdown (results.md), to paste into an issue or a README."""
+    lines = [f"**{title}**", "", "| " + " | ".join(COLUMNS) + " |",
+             "|" + "|".join("---" if col in ("category", "method") else "--:" for col in COLUMNS)
+             + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows(cells)]) + "\n"
 
 
 def summary(cells: list[Cell]) -> dict:

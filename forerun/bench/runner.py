@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from forerun.api import Engine
 from forerun.bench.peers import Peer, Trace
 from forerun.bench.workloads import Prompt
+from forerun.heads import KINDS as HEAD_KINDS
 from forerun.metrics import GenerationStats
 from forerun.policy import POLICIES
 from forerun.propose import SpecConfig
@@ -34,15 +35,22 @@ class BenchConfig:
     policies: tuple[str, ...] = ("fixed",)
     max_tokens: int = 128
     seed: int = 0
+    tree: int = 0  # head methods: draft-tree node budget (0 = chains)
+    tree_topk: int = 4
 
     def cells(self) -> list[tuple[str, SpecConfig]]:
         """(label, spec) for the baseline and every method x k x policy."""
         unknown = set(self.policies) - set(POLICIES)
         if unknown:
             raise ValueError(f"unknown policy {sorted(unknown)}; choose from {list(POLICIES)}")
+        def spec(m: str, k: int, p: str) -> tuple[str, SpecConfig]:
+            tree = self.tree if m in HEAD_KINDS else 0
+            label = f"{m} k={k}" + (f" tree={tree}" if tree else "") + (
+                "" if p == "fixed" else f" {p}")
+            return label, SpecConfig(m, k, p, tree=tree, tree_topk=self.tree_topk)
+
         return [(BASELINE, SpecConfig("none"))] + [
-            (f"{m} k={k}" + ("" if p == "fixed" else f" {p}"), SpecConfig(m, k, p))
-            for m in self.methods for k in self.ks for p in self.policies]
+            spec(m, k, p) for m in self.methods for k in self.ks for p in self.policies]
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from forerun.heads import TargetIO
 from forerun.models.catalog import CATALOG, ModelError, lookup, pull
 from forerun.models.gguf_file import GGUFFile
 from forerun.models.tokenizer import TextTokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
@@ -176,7 +177,20 @@ def _foreign(fields: dict) -> TextTokenizer:
                              False, frozenset())
 
 
-def _gguf_weights(src: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def target_io(src: ModelSource, runtime: Runtime) -> TargetIO:
+    """The target's token embeddings and LM head rows, for heads that draft from its features:
+    the torch runtime's own tensors, or for another runtime those two read from the file."""
+    model = getattr(runtime, "model", None)
+    if model is not None:
+        return TargetIO(model.embed.weight.detach(), model.lm_weight().detach())
+    read = _gguf_weights if src.kind == "gguf" else _hf_weights
+    w = read(src, torch.float32, names=("embed", "lm_head"))
+    return TargetIO(w["embed"], w.get("lm_head", w["embed"]))
+
+
+def _gguf_weights(src: ModelSource, dtype: torch.dtype,
+                  names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """Canonical name -> tensor; `names`: only these canonical names."""
     from gguf.quants import dequantize
 
     cfg, weights = src.config, {}
@@ -190,6 +204,8 @@ def _gguf_weights(src: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tenso
         elif info.name in GGUF_NAMES:
             name = GGUF_NAMES[info.name]
         else:
+            continue
+        if names is not None and name not in names:
             continue
         array = dequantize(src.gguf.raw(info.name), info.qtype)  # float32 [out, in]
         if cfg.arch == "llama" and name.endswith((".wq", ".wk")):
@@ -243,7 +259,8 @@ def _open_hf_dir(name: str, path: Path) -> ModelSource:
     return ModelSource(name, "hf", path, config, tokenizer_from_hf_dir(path))
 
 
-def _hf_weights(src: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _hf_weights(src: ModelSource, dtype: torch.dtype,
+                names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     files = sorted(src.path.glob("*.safetensors"))
@@ -259,4 +276,4 @@ def _hf_weights(src: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]
                     weights[f"layers.{parts[2]}.{HF_NAMES[sub]}"] = tensor.to(dtype)
             elif key in HF_NAMES:
                 weights[HF_NAMES[key]] = tensor.to(dtype)
-    return weights
+    return weights if names is None else {k: v for k, v in weights.items() if k in names}

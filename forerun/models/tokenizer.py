@@ -42,6 +42,18 @@ class TextTokenizer:
     def vocab(self) -> dict[str, int]:
         return self.tokenizer.get_vocab(with_added_tokens=True)
 
+    def frequent_ids(self, size: int) -> list[int]:
+        """A drafter's reduced vocabulary: the `size` lowest ids plus every added/special token.
+
+        A byte-level BPE numbers its tokens in merge order, and merges are learned most frequent
+        first, so low ids are the frequent tokens (FR-Spec counts frequencies on a corpus; the
+        merge rank is the count the tokenizer's own training already made)."""
+        if size < 1:
+            raise ValueError(f"a reduced vocabulary needs at least 1 token, got {size}")
+        total = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        added = self.tokenizer.get_added_tokens_decoder()
+        return sorted(set(range(min(size, total))) | set(added) | set(self.stop_ids))
+
     def encode(self, text: str, *, add_special: bool = True) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos and self.bos_token is not None:

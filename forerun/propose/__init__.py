@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from forerun.propose.base import Draft, Proposer
 from forerun.propose.draft_model import DraftModelProposer
+from forerun.propose.heads import HeadProposer
 from forerun.propose.ngram import NgramProposer
 from forerun.runtime.base import Runtime
 
@@ -22,27 +23,47 @@ class SpecConfig:
     policy: str = "fixed"  # a key of forerun.policy.POLICIES
     ngram_min: int = 1
     ngram_max: int = 4
+    tree: int = 0  # head methods: draft-tree node budget (0 = a chain of k tokens)
+    tree_topk: int = 4  # head methods: children kept per expanded tree node
 
     def __post_init__(self):
         if self.method != "none" and self.method not in PROPOSERS:
             raise ValueError(f"unknown method {self.method!r}; choose none, {', '.join(PROPOSERS)}")
         if self.k < 0:
             raise ValueError(f"k must be >= 0, got {self.k}")
+        if self.tree < 0 or self.tree_topk < 1:
+            raise ValueError(f"tree must be >= 0 and tree_topk >= 1, got {self.tree}, "
+                             f"{self.tree_topk}")
 
 
-def _draft(spec: SpecConfig, target: Runtime, draft: Runtime | None) -> Proposer:
+def _draft(spec: SpecConfig, target: Runtime, draft: Runtime | None, heads=None) -> Proposer:
     if draft is None:
         raise ValueError("method 'draft' needs a draft model (--draft)")
     return DraftModelProposer(draft, target.config.vocab_size)
 
 
-def _ngram(spec: SpecConfig, target: Runtime, draft: Runtime | None) -> Proposer:
+def _ngram(spec: SpecConfig, target: Runtime, draft: Runtime | None, heads=None) -> Proposer:
     return NgramProposer(spec.ngram_min, spec.ngram_max)
 
 
-PROPOSERS: dict[str, Callable[[SpecConfig, Runtime, Runtime | None], Proposer]] = {
+def _heads(spec: SpecConfig, target: Runtime, draft: Runtime | None, heads=None) -> Proposer:
+    if heads is None:
+        raise ValueError(f"method {spec.method!r} needs trained heads (--heads PATH; make them "
+                         f"with `forerun train {spec.method}`)")
+    if heads.cfg.kind != spec.method:
+        raise ValueError(f"--heads holds {heads.cfg.kind} heads, not {spec.method}; use "
+                         f"--method {heads.cfg.kind}")
+    return HeadProposer(heads, target.capacity, spec.tree, spec.tree_topk)
+
+
+# method -> factory(spec, target, draft runtime or None, heads or None)
+PROPOSERS: dict[str, Callable[..., Proposer]] = {
     "draft": _draft,
     "ngram": _ngram,
+    "medusa": _heads,
+    "hydra": _heads,
+    "eagle": _heads,
+    "eagle3": _heads,
 }
 
 __all__ = ["PROPOSERS", "Draft", "Proposer", "SpecConfig"]

@@ -20,11 +20,18 @@ from forerun.sampling import SamplingConfig
 class Draft:
     tokens: torch.Tensor  # [K] int64; K may be 0 (nothing to propose: a plain decoding step)
     q: torch.Tensor | None = None  # [K, V] draft probabilities; None = deterministic drafter
-    parents: torch.Tensor | None = None  # [K] parent index per node (-1 = root) for trees
+    parents: torch.Tensor | None = None  # [K] parent per node (-1 = root): a tree; see tree.py
 
     @staticmethod
     def empty() -> Draft:
         return Draft(torch.empty(0, dtype=torch.long))
+
+    def fit(self, room: int) -> Draft:
+        """At most `room` nodes: the first ones, which (parents first) still form a tree."""
+        if len(self.tokens) <= room:
+            return self
+        return Draft(self.tokens[:room], None if self.q is None else self.q[:room],
+                     None if self.parents is None else self.parents[:room])
 
 
 class Proposer(Protocol):
@@ -42,4 +49,16 @@ class Proposer(Protocol):
 
     def commit(self, num_final: int) -> None:
         """The first `num_final` tokens of the sequence are final; forget anything after them."""
+        ...
+
+
+class FeatureProposer(Proposer, Protocol):
+    """A proposer that drafts from the target's own hidden states (Medusa, Hydra, EAGLE)."""
+
+    hidden_layers: tuple[int, ...]  # the target layers it needs (-1 = final normed)
+
+    def feed(self, hidden: dict[int, torch.Tensor]) -> None:
+        """The target's features (layer -> [n, D]) of the n tokens that just entered its cache:
+        the prompt after prefill, the pending token and the accepted path after each verify.
+        Invariant: the proposer has been fed every token of the sequence but the last."""
         ...

@@ -3,6 +3,8 @@
 Owns: the seam between speculative decoding and the code that runs a transformer.
 A runtime holds one sequence (batch 1) and its KV cache. Tokens are appended at the end of the
 cache; `truncate(n)` rolls back to the first n cache slots, which is free for a static cache.
+`fork()` gives another runtime over the same weights with a cache of its own, so that several
+sequences can be decoded in turn (the server holds one fork per concurrent request).
 Never samples, never tokenizes.
 """
 
@@ -40,7 +42,9 @@ class ModelConfig:
 class ForwardOutput:
     # [T, V] ([1, V] if last_only) on the CPU; float32, or float64 for float64 models
     logits: torch.Tensor
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, D]
+    # layer -> [T, D], every row even under last_only; layer i = block i's output, -1 = the
+    # final normed state the LM head reads
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Runtime(Protocol):
@@ -68,4 +72,14 @@ class Runtime(Protocol):
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` cache slots; later slots are overwritten by the next forward."""
+        ...
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After a tree pass that appended tokens at slot `start`: keep only its tokens `rows`
+        (indices into that pass, ascending: a root-to-node path, whose positions are start,
+        start+1, ...) as slots start.., and drop every other token of the pass."""
+        ...
+
+    def fork(self) -> Runtime:
+        """A runtime sharing these weights, with an empty cache of its own (one more sequence)."""
         ...

@@ -1,27 +1,51 @@
 """A Runtime on llama.cpp (through llama-cpp-python's C API): the GGUF file runs as it is, on
 llama.cpp's own quantized CPU kernels.
 
-Owns: one llama.cpp model and context holding a single sequence (sequence id 0), a token batch
-allocated once and refilled in place, and copying out the logit rows that were asked for.
+Owns: one llama.cpp model and context holding one committed sequence (sequence id 0), token
+batches allocated once and refilled in place, and copying out the logit rows that were asked for.
+`fork()` opens another context on the same model: weights are loaded once, freed with the last
+runtime that uses them.
 Never samples, never tokenizes: forerun's tokenizer makes the token ids.
 
 Invariants: cache position i holds the i-th token appended, as in TorchRuntime; `truncate(n)`
 removes positions >= n from llama.cpp's KV cache (`llama_memory_seq_rm`), so the next forward
 writes them afresh. A forward longer than the batch size is decoded in batch-sized chunks.
 
+Tree verification: llama.cpp has no attention-mask input, but its KV cache cells carry sets of
+sequence ids and a token attends to the cells of its own sequences at positions <= its own. So a
+tree pass (`tree_mask`, positions start + depth) gives each leaf a sequence, its root-to-leaf
+path: leaf 0 is sequence 0 itself, leaf j > 0 is sequence j, which first gets the committed cache
+(`llama_memory_seq_cp`, in a unified KV cache only a seq id added to each cell), and each token is
+decoded once, in every sequence whose leaf descends from it. Each sequence then sees exactly its
+path, at contiguous positions, as llama.cpp requires. `keep(start, rows)` moves the accepted path
+into sequence 0 and drops the other sequences (`llama_memory_seq_keep`), freeing the rest of the
+tree; until `keep` or `truncate` resolves a tree pass, a further forward is refused. Chains (and
+a tree of one leaf) take the single-sequence batch, exactly as before. The context is opened with
+`kv_unified` (a per-sequence split cache could not share the prefix) and `n_seq_max` =
+MAX_TREE_LEAVES, the most leaves a tree may have.
+
 Differences from TorchRuntime, all explicit errors rather than silent fallbacks:
 - weights stay quantized as in the file, so `dtype` does not apply (activations are quantized to
   8 bits inside llama.cpp's matmuls); logits come back float32;
 - hidden states: only the final normed layer (-1), which llama.cpp exposes as its embeddings;
-- tree verification (tree_mask, non-chain positions) would need one llama.cpp sequence per
-  branch; not implemented.
+- a tree pass puts each row at start + its depth (positions are checked, not free); it keeps
+  one branch at a time (`keep` of a root-to-node path; `truncate` into a tree pass only where its
+  first rows form one); and has at most MAX_TREE_LEAVES leaves (ValueError above);
+- numerics: a tree row equals the chain forward of its path (to the bit where measured). After
+  `keep`, though, the kept cells stay where they were and later tokens fill the freed cells
+  between them, so the cache is no longer in position order; llama.cpp's CPU flash attention,
+  which rounds at low precision in cell order, then differs from a chain decode: by up to ~1
+  logit on SmolLM2-135M (as far as its flash attention is from attention without it) and ~2e-3
+  on the float32 test model. Greedy output can then part from plain decoding at such near-ties.
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,11 +55,14 @@ from llama_cpp import llama_cpp as C
 from forerun.runtime.base import ForwardOutput, ModelConfig
 
 DEFAULT_BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch); longer input is chunked
-SEQ = 0  # the one sequence this runtime holds
+SEQ = 0  # the committed sequence; a tree pass's leaf j is sequence SEQ + j
+# leaves (sequences) a tree pass may have: the context's n_seq_max. Verify trees are far smaller
+# (tens of nodes); a larger bound costs only a [batch, MAX_TREE_LEAVES] int32 table per context.
+MAX_TREE_LEAVES = 64
 FINAL_NORMED = -1  # hidden_layers key of the final normed hidden state (llama.cpp's embeddings)
 DECODE_OK, DECODE_NO_SLOT = 0, 1  # llama_decode return codes (llama.h)
-TREE_UNSUPPORTED = ("tree verification on llama.cpp needs multi-sequence batches; "
-                    "not implemented yet")
+TREE_MASK_HELP = ("tree_mask must be a token tree's ancestor mask: row 0 the root, each row "
+                  "attending to itself and exactly its ancestors (forerun.tree.TokenTree.mask)")
 
 # ggml_log_level in the llama.cpp this is pinned to: DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 # (llama-cpp-python's own logger maps an older numbering and lets warnings through)
@@ -79,9 +106,57 @@ def physical_cores() -> int:
     return len(cores)
 
 
-def _free(ctx, model) -> None:
-    C.llama_free(ctx)
-    C.llama_model_free(model)
+@dataclass
+class _TreePass:
+    """A tree pass appended at slot `start`: leaf j's root-to-leaf path is sequence SEQ + j."""
+
+    start: int
+    depth: np.ndarray  # [T] int32, the root 0
+    member: np.ndarray  # [T, L] bool: row r lies on leaf j's path
+    n_seq: np.ndarray  # [T] int32: sequences of each row
+    seq_ids: np.ndarray  # [T, L] int32: those sequences' ids first, in order
+
+    @staticmethod
+    def of(start: int, tree_mask: torch.Tensor) -> _TreePass:
+        """Checks that tree_mask [T, T] is an ancestor mask (row 0 the root) and reads it."""
+        m = np.asarray(tree_mask.cpu(), dtype=bool)  # [T, T]
+        T = m.shape[0]
+        eye = np.eye(T, dtype=bool)
+        above = m & ~eye  # [T, T]: strict ancestors
+        # a row's parent is its deepest (last) ancestor; the root has none
+        parent = np.where(above.any(1), T - 1 - np.argmax(above[:, ::-1], axis=1), 0)
+        if not (m.diagonal().all() and m[:, 0].all()
+                and not np.triu(above).any() and (m[1:] == (m[parent[1:]] | eye[1:])).all()):
+            raise ValueError(TREE_MASK_HELP)
+        member = m[~above.any(0)].T  # [T, L]: leaves are nobody's ancestor
+        n_seq = member.sum(1, dtype=np.int32)
+        seq_ids = SEQ + np.argsort(~member, axis=1, kind="stable").astype(np.int32)
+        return _TreePass(start, m.sum(1, dtype=np.int32) - 1, member, n_seq, seq_ids)
+
+    @property
+    def leaves(self) -> int:
+        return self.member.shape[1]
+
+    def path_sequence(self, rows: list[int]) -> int | None:
+        """A sequence holding `rows` as its first len(rows) tokens, or None if they are no
+        root-to-node path."""
+        n, T = len(rows), len(self.depth)
+        if not all(0 <= r < T for r in rows) or (self.depth[rows] != np.arange(n)).any():
+            return None
+        on = self.member[rows].all(0)  # [L]
+        return SEQ + int(on.argmax()) if on.any() else None
+
+
+class _Weights:
+    """A loaded llama.cpp model, freed when the last runtime (fork) using it is gone."""
+
+    def __init__(self, path: Path, gpu: bool):
+        mparams = C.llama_model_default_params()
+        mparams.n_gpu_layers = -1 if gpu else 0
+        self.model = C.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}{_llama_errors()}")
+        weakref.finalize(self, C.llama_model_free, self.model)
 
 
 class LlamaCppRuntime:
@@ -97,33 +172,44 @@ class LlamaCppRuntime:
         self.config = config
         self._capacity = min(capacity, config.context_length)
         self.batch_size = batch
-        threads = n_threads or physical_cores()
-
+        self._threads = n_threads or physical_cores()
         _errors.clear()
-        mparams = C.llama_model_default_params()
-        mparams.n_gpu_layers = -1 if gpu else 0
-        self._model = C.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self._model:
-            raise RuntimeError(f"llama.cpp could not load {path}{_llama_errors()}")
-        cparams = C.llama_context_default_params()
-        cparams.n_ctx = self._capacity
-        cparams.n_batch = cparams.n_ubatch = batch
-        cparams.n_seq_max = 1
-        cparams.n_threads = cparams.n_threads_batch = threads
-        self._ctx = C.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            C.llama_model_free(self._model)
-            raise RuntimeError(f"llama.cpp could not create a context of {self._capacity} "
-                               f"tokens{_llama_errors()}")
-        weakref.finalize(self, _free, self._ctx, self._model)
-        self._memory = C.llama_get_memory(self._ctx)
+        self._weights = _Weights(path, gpu)
+        self._model = self._weights.model
         self.vocab_size = C.llama_vocab_n_tokens(C.llama_model_get_vocab(self._model))
         if self.vocab_size != config.vocab_size:
             raise RuntimeError(f"llama.cpp reads {self.vocab_size} tokens from {path}, the GGUF "
                                f"metadata says {config.vocab_size}")
         self.dim = C.llama_model_n_embd(self._model)
+        self._open_context()
+
+    def _open_context(self) -> None:
+        """A llama.cpp context (the KV cache: sequence SEQ, and a tree pass's others) and its
+        batches, all empty."""
+        cparams = C.llama_context_default_params()
+        cparams.n_ctx = self._capacity
+        cparams.n_batch = cparams.n_ubatch = self.batch_size
+        cparams.n_seq_max = MAX_TREE_LEAVES
+        cparams.kv_unified = True  # one cache, shared by the sequences of a tree pass
+        # llama.cpp reserves an output row per sequence and aborts the process (GGML_ASSERT)
+        # when its output buffer, by default min(n_batch, n_ctx) rows, is smaller
+        cparams.n_outputs_max = max(min(self.batch_size, self._capacity), MAX_TREE_LEAVES)
+        cparams.n_threads = cparams.n_threads_batch = self._threads
+        self._ctx = C.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {self._capacity} "
+                               f"tokens{_llama_errors()}")
+        # the context is freed first; `self._weights` keeps the model alive until then
+        weakref.finalize(self, C.llama_free, self._ctx)
+        self._memory = C.llama_get_memory(self._ctx)
         self._length = 0
-        self._alloc_batch(batch)
+        self._alloc_batch(self.batch_size)
+
+    def fork(self) -> LlamaCppRuntime:
+        """One more sequence: a new context (KV cache) on the same loaded model."""
+        twin = copy.copy(self)
+        twin._open_context()
+        return twin
 
     def _alloc_batch(self, n: int) -> None:
         """A llama_batch whose arrays are numpy buffers we own: a forward copies token ids,
@@ -135,14 +221,25 @@ class LlamaCppRuntime:
         self._seq_id = (C.llama_seq_id * 1)(SEQ)
         seq_ptr = ctypes.cast(self._seq_id, ctypes.POINTER(C.llama_seq_id))
         self._seq_ids = (ctypes.POINTER(C.llama_seq_id) * n)(*([seq_ptr] * n))
+        # a tree pass's batch: the same tokens, positions and outputs; sequences per token
+        self._tree_n_seq = np.zeros(n, np.int32)
+        self._tree_seqs = np.zeros((n, MAX_TREE_LEAVES), np.int32)
+        row, base = self._tree_seqs.strides[0], self._tree_seqs.ctypes.data
+        self._tree_seq_ids = (ctypes.POINTER(C.llama_seq_id) * n)(
+            *(ctypes.cast(base + i * row, ctypes.POINTER(C.llama_seq_id)) for i in range(n)))
 
         def ptr(a, ctype):
             return a.ctypes.data_as(ctypes.POINTER(ctype))
 
-        self._batch = C.llama_batch(
-            n_tokens=0, token=ptr(self._tokens, C.llama_token), embd=None,
-            pos=ptr(self._positions, C.llama_pos), n_seq_id=ptr(self._n_seq, ctypes.c_int32),
-            seq_id=self._seq_ids, logits=ptr(self._outputs, ctypes.c_int8))
+        def batch(n_seq, seq_ids):
+            return C.llama_batch(
+                n_tokens=0, token=ptr(self._tokens, C.llama_token), embd=None,
+                pos=ptr(self._positions, C.llama_pos), n_seq_id=ptr(n_seq, ctypes.c_int32),
+                seq_id=seq_ids, logits=ptr(self._outputs, ctypes.c_int8))
+
+        self._batch = batch(self._n_seq, self._seq_ids)
+        self._tree_batch = batch(self._tree_n_seq, self._tree_seq_ids)
+        self._tree: _TreePass | None = None  # the last forward's tree, until keep or truncate
 
     @property
     def length(self) -> int:
@@ -153,21 +250,58 @@ class LlamaCppRuntime:
         return self._capacity
 
     def truncate(self, length: int) -> None:
+        """Into a tree pass: its first rows stay if they form a root-to-node path (see keep)."""
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
+        tree = self._tree
+        if tree is not None:
+            if length > tree.start:
+                self.keep(tree.start, list(range(length - tree.start)))
+                return
+            self._drop_tree()
         if length < self._length and not C.llama_memory_seq_rm(self._memory, SEQ, length, -1):
             raise RuntimeError(f"llama.cpp could not remove cache positions >= {length}")
         self._length = length
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Keep rows (a root-to-node path) of the tree pass at `start`: their cells join sequence
+        SEQ at their positions start.., which are already contiguous; the rest of the tree is
+        freed. After a chain forward, rows 0..n-1 only: truncate(start + n)."""
+        rows, tree = [int(r) for r in rows], self._tree
+        if tree is None:
+            end = start + len(rows)
+            if rows != list(range(len(rows))) or not 0 <= start <= end <= self._length:
+                raise ValueError(f"after a chain forward only rows 0..n-1 can be kept, within the "
+                                 f"{self._length} cached tokens; got rows {rows} at {start}")
+            self.truncate(end)
+            return
+        seq = tree.path_sequence(rows)
+        if start != tree.start or seq is None:
+            raise ValueError(f"rows {rows} at {start} are not a root-to-node path of the tree "
+                             f"pass at {tree.start}: llama.cpp keeps one branch")
+        end = start + len(rows)
+        if seq != SEQ:
+            C.llama_memory_seq_rm(self._memory, SEQ, start, -1)
+            C.llama_memory_seq_cp(self._memory, seq, SEQ, start, end)
+        self._drop_tree()
+        C.llama_memory_seq_rm(self._memory, SEQ, end, -1)
+        self._length = end
+
+    def _drop_tree(self) -> None:
+        """Forget the tree's other sequences; cells no sequence holds any more are freed."""
+        C.llama_memory_seq_keep(self._memory, SEQ)
+        self._tree = None
 
     def forward(self, tokens, *, positions=None, tree_mask=None, last_only=False,
                 hidden_layers=()) -> ForwardOutput:
         start, T = self._length, tokens.shape[0]
         if start + T > self._capacity:
             raise ValueError(f"context full: {start} + {T} tokens > capacity {self._capacity}")
-        chain = positions is None or torch.equal(
-            positions.cpu(), torch.arange(start, start + T, dtype=positions.dtype))
-        if tree_mask is not None or not chain:
-            raise NotImplementedError(TREE_UNSUPPORTED)
+        if self._tree is not None:
+            raise ValueError(f"the tree pass at {self._tree.start} is unresolved: keep() its "
+                             "accepted path (or truncate) before the next forward")
+        tree = None if positions is None and tree_mask is None else self._tree_pass(
+            start, T, positions, tree_mask)
         unavailable = sorted(set(hidden_layers) - {FINAL_NORMED})
         if unavailable:
             raise NotImplementedError(
@@ -181,23 +315,27 @@ class LlamaCppRuntime:
         if want_hidden:
             C.llama_set_embeddings(self._ctx, True)
         try:
+            for seq in range(SEQ + 1, SEQ + tree.leaves) if tree else ():
+                C.llama_memory_seq_cp(self._memory, SEQ, seq, -1, -1)  # the committed cache
             for begin in range(0, T, self.batch_size):
                 end = min(T, begin + self.batch_size)
                 keep = (1 if end == T else 0) if last_only else end - begin
                 # llama.cpp returns embeddings only with every token of the batch an output
                 rows = end - begin if want_hidden else keep
-                self._decode(ids[begin:end], start + begin, rows)
+                self._decode(ids[begin:end], start + begin, rows, tree)
                 if keep:
                     logits.append(self._read(C.llama_get_logits, rows, self.vocab_size, keep))
                     if want_hidden:
                         hidden.append(self._read(C.llama_get_embeddings, rows, self.dim, keep))
         except BaseException:
+            if tree:
+                C.llama_memory_seq_keep(self._memory, SEQ)
             C.llama_memory_seq_rm(self._memory, SEQ, start, -1)  # forget the partial chunks
             raise
         finally:
             if want_hidden:
                 C.llama_set_embeddings(self._ctx, False)
-        self._length = start + T
+        self._length, self._tree = start + T, tree
         if T == 0:
             logits, hidden = [torch.empty(0, self.vocab_size)], [torch.empty(0, self.dim)]
         out = ForwardOutput(torch.cat(logits))  # [T, V] ([1, V] if last_only)
@@ -205,16 +343,41 @@ class LlamaCppRuntime:
             out.hidden[FINAL_NORMED] = torch.cat(hidden)  # [T, D] ([1, D] if last_only)
         return out
 
-    def _decode(self, ids: np.ndarray, start: int, rows: int) -> None:
-        """One llama_decode over ids at positions start.., with outputs for the last `rows`."""
+    def _tree_pass(self, start: int, T: int, positions, tree_mask) -> _TreePass | None:
+        """The sequences of a tree forward, or None for a chain (a tree of one leaf is one);
+        checks that positions are start + depth, which is where llama.cpp puts the rows."""
+        if tree_mask is not None and tuple(tree_mask.shape) != (T, T):
+            raise ValueError(f"tree_mask is {tuple(tree_mask.shape)} for {T} tokens")
+        tree = _TreePass.of(start, tree_mask) if tree_mask is not None and T else None
+        if tree is not None and tree.leaves > MAX_TREE_LEAVES:
+            raise ValueError(f"a tree pass on llama.cpp has at most {MAX_TREE_LEAVES} leaves "
+                             f"(one sequence each); this tree has {tree.leaves}")
+        depth = torch.arange(T) if tree is None else torch.from_numpy(tree.depth).long()  # [T]
+        slots = torch.arange(T) if positions is None else positions.cpu().long() - start  # [T]
+        if not torch.equal(slots, depth):
+            raise NotImplementedError(
+                "llama.cpp puts each row at start + its depth in the tree (tree_mask; a chain "
+                "without one), which the positions (default: the slots) must be")
+        return tree if tree is not None and tree.leaves > 1 else None
+
+    def _decode(self, ids: np.ndarray, start: int, rows: int, tree: _TreePass | None) -> None:
+        """One llama_decode over ids at slots start.., with outputs for the last `rows`: a chain
+        in sequence SEQ, or those rows of a tree pass, at their depths, in their sequences."""
         n = ids.shape[0]
         self._tokens[:n] = ids
-        self._positions[:n] = np.arange(start, start + n, dtype=np.int32)
+        batch = self._batch
+        if tree is None:
+            self._positions[:n] = np.arange(start, start + n, dtype=np.int32)
+        else:
+            batch, first = self._tree_batch, start - tree.start
+            self._positions[:n] = tree.start + tree.depth[first:first + n]
+            self._tree_n_seq[:n] = tree.n_seq[first:first + n]
+            self._tree_seqs[:n, :tree.leaves] = tree.seq_ids[first:first + n]
         self._outputs[:n - rows] = 0
         self._outputs[n - rows:n] = 1
-        self._batch.n_tokens = n
+        batch.n_tokens = n
         _errors.clear()
-        code = C.llama_decode(self._ctx, self._batch)
+        code = C.llama_decode(self._ctx, batch)
         if code == DECODE_NO_SLOT:
             raise ValueError(f"llama.cpp found no KV cache room for {n} tokens at {start}")
         if code != DECODE_OK:

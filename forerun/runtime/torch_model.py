@@ -12,6 +12,8 @@ new block plus the new tokens its mask allows (causal for chains, explicit for t
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,7 +37,7 @@ def refine_top_logits(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     """bfloat16 logits keep 8 bits of mantissa: near 18 they are multiples of 0.125, so the top
     two often tie exactly and the argmax then depends on which kernel (1-token or k-token pass)
     rounded last. Recompute the top candidates' logits in float32 from the same hidden state."""
-    top = logits.topk(REFINE_TOP, dim=-1).indices  # [T, m]
+    top = logits.topk(min(REFINE_TOP, logits.shape[-1]), dim=-1).indices  # [T, m]
     exact = torch.einsum("td,tmd->tm", x.float(), weight[top].float())  # [T, m]
     return logits.float().scatter_(-1, top, exact)  # [T, V] float32
 
@@ -175,6 +177,8 @@ class TorchRuntime:
             self._head = PackedLinear(model.lm_weight())  # lm_weight() stays for refinement
         else:
             self._head = lambda x: F.linear(x, model.lm_weight())
+        self._head_weight = model.lm_weight()  # [V, D]: the rows the head computes
+        self._vocab_ids: torch.Tensor | None = None  # [N]: set by limit_vocab
         self._capacity = min(capacity, cfg.context_length)
         shape = (cfg.n_layers, cfg.n_kv_heads, self._capacity, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -195,6 +199,40 @@ class TorchRuntime:
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
         self._length = length
 
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Compact a tree pass to its accepted path: slots start+rows[j] move to start+j."""
+        if rows and not (rows[0] >= 0 and start + rows[-1] < self._length):
+            raise ValueError(f"rows {rows} are not in the last pass "
+                             f"({self._length - start} tokens)")
+        src = torch.tensor(rows, device=self.device) + start  # [n]
+        dst = start + len(rows)
+        self.k_cache[:, :, start:dst] = self.k_cache[:, :, src]  # [L, Hkv, n, hd]
+        self.v_cache[:, :, start:dst] = self.v_cache[:, :, src]
+        self._length = dst
+
+    def fork(self) -> TorchRuntime:
+        """One more sequence: the same (shared, never copied) weights, an empty cache of its own."""
+        twin = copy.copy(self)
+        twin.k_cache, twin.v_cache = torch.zeros_like(self.k_cache), torch.zeros_like(self.v_cache)
+        twin._length = 0
+        return twin
+
+    def limit_vocab(self, ids) -> None:
+        """Compute logits for the tokens `ids` only; every other token gets logit -inf.
+
+        For drafters (FR-Spec, EAGLE-3): the LM head is the largest matmul of a small model
+        (Qwen's is 151,936 rows), and most rows are tokens that almost never occur. A drafter
+        that cannot propose them stays lossless, because the target verifies over its full
+        vocabulary; it only loses the rare acceptance. Shared weights are not changed: the
+        kept rows are copied (and prepacked) for this runtime alone.
+        """
+        ids = torch.as_tensor(ids, dtype=torch.long).unique()  # [N] sorted
+        if ids.numel() == 0 or ids[0] < 0 or ids[-1] >= self.config.vocab_size:
+            raise ValueError(f"vocabulary ids must lie in 0..{self.config.vocab_size - 1}")
+        weight = self.model.lm_weight().detach()[ids.to(self.device)].contiguous()  # [N, D]
+        self._head = PackedLinear(weight) if self.prepacked else (lambda x: F.linear(x, weight))
+        self._head_weight, self._vocab_ids = weight, ids.to(self.device)
+
     @torch.inference_mode()
     def forward(self, tokens, *, positions=None, tree_mask=None, last_only=False,
                 hidden_layers=()) -> ForwardOutput:
@@ -212,12 +250,17 @@ class TorchRuntime:
             x = layer(x, cos, sin, self.k_cache[i], self.v_cache[i], start, mask)
             if i in hidden_layers:
                 hidden[i] = x
-        x = rms_norm(x[-1:] if last_only else x, self.model.norm, self.config.norm_eps)
-        if -1 in hidden_layers:
-            hidden[-1] = x
-        logits = self._head(x)  # [T, V]
+        if -1 in hidden_layers:  # every row, even under last_only (a head's prefill needs them)
+            hidden[-1] = rms_norm(x, self.model.norm, self.config.norm_eps)
+            x = hidden[-1][-1:] if last_only else hidden[-1]
+        else:
+            x = rms_norm(x[-1:] if last_only else x, self.model.norm, self.config.norm_eps)
+        logits = self._head(x)  # [T, V], or [T, N] under limit_vocab
         if self.dtype in LOW_PRECISION:
-            logits = refine_top_logits(logits, x, self.model.lm_weight())
+            logits = refine_top_logits(logits, x, self._head_weight)
+        if self._vocab_ids is not None:  # back to [T, V], -inf outside the kept tokens
+            logits = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf")
+                                     ).index_copy_(1, self._vocab_ids, logits)
         self._length = start + T
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         # Sampling and verification run on the CPU with a CPU generator: [T, V] is a small copy.

@@ -1,0 +1,211 @@
+"""Learned drafting heads on the target's own features: Medusa-1, Hydra, EAGLE-1/2 and EAGLE-3.
+
+Owns: the head networks, their config, and their files (safetensors + a JSON config). A head
+never has an LM head or token embedding of its own: it reads the target's (frozen, passed in as
+`TargetIO`), and its logits cover a reduced draft vocabulary (the `draft_vocab` most frequent
+token ids, FR-Spec / EAGLE-3) whose ids are stored in the file. Verification always runs over
+the target's full vocabulary, so a smaller draft vocabulary can only lower acceptance.
+
+Notation: f_t = the target's feature at position t (its final normed hidden state, the vector
+its LM head turns into p(x_{t+1})); e(x) = the target's embedding of token x.
+- Medusa-1 (Cai et al. 2024): head i is a residual block z_i = f_t + SiLU(W_i f_t + b_i) whose
+  logits W_lm z_i predict x_{t+2+i}. Heads are independent of each other's choices.
+- Hydra (Ankner et al. 2024): the same, made sequentially dependent: z_0 = f_t and
+  z_{i+1} = z_i + SiLU(W_i [z_i; e(y_i)]), y_0 = x_{t+1} (the target's own token), y_i the
+  token head i-1 chose; head i's logits W_lm z_{i+1} predict x_{t+2+i}.
+- EAGLE-1 (Li et al. 2024): one decoder layer autoregressing on features: its input at position
+  t is fc([f_t; e(x_{t+1})]), its output o_t regresses f_{t+1} and W_lm o_t predicts x_{t+2};
+  drafting feeds its own o back in place of the target's f. EAGLE-2 is the same head drafting
+  a dynamic tree (see `forerun.tree.grow_tree`).
+- EAGLE-3 (Li et al. 2025): the feature is a fusion of a low, a middle and the final layer,
+  g_t = fuse([h_low; h_mid; f_t]); logits are W_lm norm(o_t); trained on its own rolled-out
+  predictions (training-time test) with the token loss only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forerun.models.catalog import ModelError
+from forerun.runtime.base import ModelConfig
+from forerun.runtime.torch_model import Block, rms_norm, rope_tables
+
+KINDS = ("medusa", "hydra", "eagle", "eagle3")
+CONFIG_FILE, WEIGHTS_FILE = "head_config.json", "head.safetensors"
+
+
+class HeadError(ModelError):
+    """A head file that is missing, malformed, or made for another target."""
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    kind: str  # one of KINDS
+    dim: int  # the target's hidden size
+    vocab_size: int  # the target's vocabulary
+    target: str = ""  # the target it was trained on (its file name), checked at load
+    num_heads: int = 4  # medusa/hydra: tokens one pass drafts; eagle: unused
+    layers: tuple[int, ...] = (-1,)  # the target features read (eagle3: low, mid, -1)
+    draft_vocab: int = 32768  # logits over this many frequent ids (0 = the full vocabulary)
+    n_heads: int = 12  # eagle: attention heads of its decoder layer
+    n_kv_heads: int = 2
+    ffn_dim: int = 2048
+    rope_theta: float = 1e6
+    norm_eps: float = 1e-6
+    training: dict = field(default_factory=dict, compare=False)  # provenance, not used to run
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise HeadError(f"unknown head kind {self.kind!r}; choose {', '.join(KINDS)}")
+
+    def block_config(self, context: int) -> ModelConfig:
+        """The shape of an EAGLE head's single decoder layer."""
+        return ModelConfig(arch="qwen2", vocab_size=0, dim=self.dim, n_layers=1,
+                           n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                           ffn_dim=self.ffn_dim, rope_theta=self.rope_theta,
+                           norm_eps=self.norm_eps, context_length=context, qkv_bias=True,
+                           tied_embeddings=True)
+
+
+@dataclass
+class TargetIO:
+    """The target's frozen input and output layers, as a head uses them."""
+
+    embed: torch.Tensor  # [V, D] token embeddings
+    lm_head: torch.Tensor  # [V, D] LM head rows (== embed for tied models)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), initialised to the identity (Medusa's head block)."""
+
+    def __init__(self, dim_in: int, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim_in, dim)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor, inp: torch.Tensor | None = None) -> torch.Tensor:
+        return x + F.silu(self.linear(x if inp is None else inp))
+
+
+class Heads(nn.Module):
+    """Every head kind's parameters, plus the reduced vocabulary and the target's I/O rows."""
+
+    def __init__(self, cfg: HeadConfig, vocab_ids: torch.Tensor, io: TargetIO, context: int = 4096):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.dim
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)  # [N]
+        self.embed = io.embed  # [V, D], frozen, not saved
+        self.lm_rows = io.lm_head[vocab_ids].float().contiguous()  # [N, D], frozen, not saved
+        if cfg.kind == "medusa":
+            self.blocks = nn.ModuleList(ResBlock(D, D) for _ in range(cfg.num_heads))
+        elif cfg.kind == "hydra":
+            self.blocks = nn.ModuleList(ResBlock(2 * D, D) for _ in range(cfg.num_heads))
+        else:
+            if cfg.kind == "eagle3":
+                self.fuse = nn.Linear(len(cfg.layers) * D, D, bias=False)
+            self.fc = nn.Linear(2 * D, D, bias=False)
+            self.layer = Block(cfg.block_config(context))
+            self.out_norm = nn.Parameter(torch.ones(D))
+            cos, sin = rope_tables(cfg.block_config(context), context, torch.float32, "cpu")
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+
+    # --- the three head kinds' forward steps (training and drafting share them) ---------------
+
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        """[..., D] -> [..., N] over the reduced vocabulary."""
+        if self.cfg.kind == "eagle3":
+            z = rms_norm(z, self.out_norm, self.cfg.norm_eps)
+        return z @ self.lm_rows.T
+
+    def medusa(self, f: torch.Tensor) -> torch.Tensor:
+        """f [T, D] -> z [K, T, D]: head i's state, predicting x_{t+2+i}."""
+        return torch.stack([block(f) for block in self.blocks])
+
+    def hydra_step(self, i: int, z: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Head i: z [T, D] and the token y_i [T] it follows -> the next state [T, D]."""
+        return self.blocks[i](z, torch.cat([z, self.embed_of(token)], dim=-1))
+
+    def embed_of(self, token: torch.Tensor) -> torch.Tensor:
+        return self.embed[token].float()  # [T, D]
+
+    def feature(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The target's features (layer -> [T, D]) -> the EAGLE input feature [T, D]."""
+        if self.cfg.kind == "eagle3":
+            return self.fuse(torch.cat([hidden[i].float() for i in self.cfg.layers], dim=-1))
+        return hidden[-1].float()
+
+    def eagle_step(self, feature: torch.Tensor, token: torch.Tensor, positions: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        """One pass of the decoder layer: input fc([feature; e(token)]) at `positions`, cache
+        slots start..; mask [T, start+T] (None = causal for T = 1). -> o [T, D]."""
+        x = self.fc(torch.cat([feature, self.embed_of(token)], dim=-1))  # [T, D]
+        cos, sin = self.cos[positions], self.sin[positions]
+        return self.layer(x, cos, sin, k_cache, v_cache, start, mask)
+
+    def new_cache(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        shape = (cfg.n_kv_heads, capacity, cfg.dim // cfg.n_heads)
+        return torch.zeros(shape), torch.zeros(shape)
+
+    def trainable(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items()}
+
+
+def save_heads(heads: Heads, directory: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write head.safetensors (weights in `dtype`, the reduced vocabulary's ids) and
+    head_config.json into `directory`."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
+    tensors["vocab_ids"] = heads.vocab_ids.to(torch.int64).contiguous()
+    save_file(tensors, str(directory / WEIGHTS_FILE))
+    (directory / CONFIG_FILE).write_text(json.dumps(asdict(heads.cfg), indent=2) + "\n")
+    return directory
+
+
+def load_heads(path: str | Path, io: TargetIO, target_name: str = "",
+               context: int = 4096) -> Heads:
+    """Heads from a directory (or its head.safetensors / head_config.json), checked against
+    the target's shape; float32 for drafting."""
+    from safetensors.torch import load_file
+
+    path = Path(path).expanduser()
+    directory = path if path.is_dir() else path.parent
+    config_file, weights_file = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not config_file.is_file() or not weights_file.is_file():
+        raise HeadError(f"{path}: no heads here (expected {CONFIG_FILE} and {WEIGHTS_FILE}; "
+                        "make them with `forerun train`)")
+    try:
+        raw = json.loads(config_file.read_text())
+        raw["layers"] = tuple(raw.get("layers", (-1,)))
+        cfg = HeadConfig(**raw)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise HeadError(f"{config_file}: not a head config ({e})") from e
+    V, D = io.embed.shape
+    if (cfg.vocab_size, cfg.dim) != (V, D):
+        raise HeadError(f"{path}: heads for a target of vocabulary {cfg.vocab_size} and width "
+                        f"{cfg.dim}, this target has {V} and {D}")
+    if cfg.target and target_name and cfg.target != target_name:
+        # same shape, other weights (e.g. another quantization): it runs, acceptance may drop
+        import warnings
+
+        warnings.warn(f"{path} was trained on {cfg.target}, running on {target_name}",
+                      stacklevel=2)
+    tensors = load_file(str(weights_file))
+    heads = Heads(cfg, tensors.pop("vocab_ids"), io, context)
+    missing, unexpected = heads.load_state_dict(
+        {k: v.float() for k, v in tensors.items()}, strict=False)
+    if missing or unexpected:
+        raise HeadError(f"{weights_file}: missing {missing}, unexpected {unexpected}")
+    return heads.eval()

@@ -1,0 +1,134 @@
+"""Head drafting: Medusa, Hydra and EAGLE heads propose a chain or a tree from the target's own
+features (see `forerun.heads` for the networks, `forerun.tree.grow_tree` for the tree).
+
+Owns: the per-sequence drafting state of a head. Invariant: the proposer has been fed the
+target's features of every token in the target's cache (all tokens but the pending one).
+- Medusa/Hydra need only the last fed feature f_t; the pending token x_{t+1} is the target's
+  own sample from it, and the heads draft what follows it.
+- EAGLE keeps a KV cache of its decoder layer over the sequence: entry t is computed from
+  (f_t, x_{t+1}), so features wait until the token after them is known; `committed` entries
+  are final, the slots after them hold the last draft tree's nodes and are overwritten.
+Head drafts are deterministic (top-k choices, q = None), which the verifier treats as one-hot
+proposals: lossless under sampling too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forerun.heads import Heads
+from forerun.propose.base import Draft
+from forerun.tree import Candidate, grow_tree
+
+TREE_SLACK = 256  # EAGLE cache slots past the context for a draft tree's nodes
+
+
+class HeadProposer:
+    runtime = None  # a head step costs a few % of a target pass: treated as free to draft
+
+    def __init__(self, heads: Heads, capacity: int, tree: int = 0, topk: int = 4):
+        """`tree`: node budget (0 = a chain of k); `topk`: children per expanded node."""
+        self.heads, self.cfg = heads, heads.cfg
+        self.name, self.hidden_layers = self.cfg.kind, self.cfg.layers
+        self.tree, self.topk = tree, topk
+        self.eagle = self.cfg.kind in ("eagle", "eagle3")
+        if self.eagle:
+            self.k_cache, self.v_cache = heads.new_cache(capacity + TREE_SLACK)
+        self.prefill([])
+
+    def prefill(self, prompt: list[int]) -> None:
+        self.last: torch.Tensor | None = None  # [1, D] medusa/hydra: the last fed feature
+        self.waiting: list[torch.Tensor] = []  # eagle: features not yet in its cache
+        self.committed = 0  # eagle: final cache entries
+
+    def feed(self, hidden: dict[int, torch.Tensor]) -> None:
+        if self.eagle:
+            self.waiting.append(self.heads.feature(hidden))  # [n, D]
+        else:
+            self.last = hidden[-1][-1:].float()  # [1, D]
+
+    def commit(self, num_final: int) -> None:
+        self.committed = min(self.committed, num_final)
+
+    @torch.inference_mode()
+    def propose(self, tokens, k, sampling, generator) -> Draft:
+        if k == 0:
+            return Draft.empty()
+        pending = torch.tensor(tokens[-1:])  # [1]
+        if self.eagle:
+            root, expand = self._eagle(tokens)
+        elif self.cfg.kind == "medusa":
+            root, expand = self._medusa()
+        else:
+            root, expand = self._hydra(pending)
+        k = min(k, self.cfg.num_heads) if not self.eagle else k
+        budget = self.tree or k
+        topk = self.topk if self.tree else 1
+        ids, parents = grow_tree(root, expand, depth=k, topk=topk, beam=topk, budget=budget)
+        draft = self.heads.vocab_ids[torch.tensor(ids, dtype=torch.long)]  # [N] target ids
+        return Draft(draft, None, torch.tensor(parents) if self.tree else None)
+
+    # --- each kind: the root's log-probabilities and how to expand a level -------------------
+
+    def _medusa(self):
+        lp = self.heads.logits(self.heads.medusa(self.last)[:, 0]).log_softmax(-1)  # [K, N]
+
+        def expand(frontier: list[int], found: list[Candidate]) -> torch.Tensor:
+            depth = found[frontier[0]].depth  # one level at a time: head `depth` comes next
+            return lp[depth].expand(len(frontier), -1)
+
+        return lp[0], expand
+
+    def _hydra(self, pending: torch.Tensor):
+        heads, state = self.heads, {}
+        z = heads.hydra_step(0, self.last, pending)  # [1, D]
+
+        def expand(frontier: list[int], found: list[Candidate]) -> torch.Tensor:
+            parents = torch.cat([state.get(found[i].parent, z) for i in frontier])  # [F, D]
+            token = heads.vocab_ids[torch.tensor([found[i].token for i in frontier])]  # [F]
+            out = heads.hydra_step(found[frontier[0]].depth, parents, token)  # [F, D]
+            state.update({i: out[r:r + 1] for r, i in enumerate(frontier)})
+            return heads.logits(out).log_softmax(-1)
+
+        return heads.logits(z)[0].log_softmax(-1), expand
+
+    def _eagle(self, tokens: list[int]):
+        heads, start = self.heads, self.committed
+        # 1. Bring the cache up to the target's: entry t from (f_t, x_{t+1}).
+        features = torch.cat(self.waiting)  # [n, D]
+        self.waiting = []
+        n = features.shape[0]
+        positions = torch.arange(start, start + n)
+        nexts = torch.tensor(tokens[start + 1:start + 1 + n])  # [n]
+        mask = None if n == 1 else causal(start, n)
+        o = heads.eagle_step(features, nexts, positions, self.k_cache, self.v_cache, start, mask)
+        self.committed = start + n  # == len(tokens) - 1
+        root_o, root_pos = o[-1:], start + n - 1  # [1, D]: predicts the first draft token
+        # 2. Drafted nodes append after the committed entries, attending to their ancestors.
+        state: dict[int, tuple[torch.Tensor, int]] = {}  # candidate -> (o [1, D], slot)
+
+        def expand(frontier: list[int], found: list[Candidate]) -> torch.Tensor:
+            slot = self.committed + len(state)
+            feats = torch.cat([state[c.parent][0] if c.parent >= 0 else root_o
+                               for c in (found[i] for i in frontier)])  # [F, D]
+            token = heads.vocab_ids[torch.tensor([found[i].token for i in frontier])]  # [F]
+            pos = torch.tensor([root_pos + found[i].depth for i in frontier])  # [F]
+            m = torch.zeros(len(frontier), slot + len(frontier), dtype=torch.bool)
+            m[:, :self.committed] = True
+            for r, i in enumerate(frontier):
+                m[r, slot + r] = True
+                a = found[i].parent
+                while a >= 0:
+                    m[r, state[a][1]] = True
+                    a = found[a].parent
+            out = heads.eagle_step(feats, token, pos, self.k_cache, self.v_cache, slot, m)
+            state.update({i: (out[r:r + 1], slot + r) for r, i in enumerate(frontier)})
+            return heads.logits(out).log_softmax(-1)
+
+        return heads.logits(root_o)[0].log_softmax(-1), expand
+
+
+def causal(start: int, n: int) -> torch.Tensor:
+    """[n, start+n] bool: every earlier slot, then causal among the n new ones."""
+    return torch.cat([torch.ones(n, start, dtype=torch.bool),
+                      torch.ones(n, n, dtype=torch.bool).tril()], dim=1)

@@ -1,0 +1,418 @@
+"""The HTTP side of `forerun serve`: FastAPI routes that validate, enqueue and stream.
+
+Owns: the routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/metrics`,
+`/health`), the request gate (API key, body size, request counting), turning a request into
+worker jobs, server-sent events, and turning every refusal into a 4xx with an OpenAI-style body.
+Never touches a model: tokenizing is the only model-related work done here (the tokenizer is
+thread-safe); generation happens on the worker thread (`forerun.serve.worker`).
+
+Each request gets an asyncio queue; the worker thread puts its events there with
+`call_soon_threadsafe`. When the response ends for any reason (finished, client gone, error),
+its unfinished jobs are cancelled, which frees their slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from forerun.api import DEFAULT_MAX_TOKENS
+from forerun.heads import KINDS as HEAD_KINDS
+from forerun.models.catalog import ModelError
+from forerun.policy import POLICIES
+from forerun.propose import PROPOSERS, SpecConfig
+from forerun.sampling import SamplingConfig, SamplingError
+from forerun.serve.limits import DISCONNECT_POLL_S, MAX_BODY_BYTES, MAX_TOKENS_LIMIT
+from forerun.serve.protocol import (
+    GREEDY_BELOW,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Shape,
+    Speculation,
+    chat_messages,
+    error_body,
+    stop_strings,
+    unsupported,
+    usage,
+)
+from forerun.serve.worker import Busy, Delta, Done, Event, Failed, Job, Stopped, Worker
+
+OPENAI_TEMPERATURE = 1.0  # OpenAI's default when a request gives none
+PATHS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_name: str  # the id clients send as `model`
+    api_key: str | None = None  # required as `Authorization: Bearer KEY` on /v1/ when set
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a request gives no max_tokens
+
+
+def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
+    """The app over a (not yet started) worker; the app starts and stops it."""
+    engine = worker.engine
+    capacity, vocab = engine.target.capacity, engine.target.config.vocab_size
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not worker.alive:
+            worker.start()
+        yield
+        await run_in_threadpool(worker.stop)
+
+    app = FastAPI(title="forerun", summary="OpenAI-compatible speculative decoding server",
+                  lifespan=lifespan)
+    app.state.max_body_bytes = config.max_body_bytes
+    app.add_middleware(Gate, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       count=lambda path, status: worker.metrics.requests.labels(
+                           path, status).inc())
+    install_error_handlers(app)
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        running, waiting = worker.in_flight
+        ok = worker.alive
+        return JSONResponse({"status": "ok" if ok else "worker stopped", "running": running,
+                             "waiting": waiting, "speculation_mode": worker.mode},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(worker.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": 0, "owned_by": "forerun",
+            "max_model_len": capacity}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_request(body)
+        ids = await run_in_threadpool(prompt_ids, body.prompt)
+        return await generate(request, body, ids, Shape(chat=False, model=config.model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        check_request(body)
+        ids = await run_in_threadpool(chat_ids, body)
+        return await generate(request, body, ids, Shape(chat=True, model=config.model_name))
+
+    def check_request(body: CompletionRequest | ChatRequest) -> None:
+        if body.model != config.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                           f"{config.model_name!r}", param="model", code="model_not_found")
+        unsupported(body)
+
+    def prompt_ids(prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request (send several requests, or use n)",
+                               param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return engine.tokenizer.encode_prompt(prompt, raw=True)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise APIError(400, f"token ids must lie in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    def chat_ids(body: ChatRequest) -> list[int]:
+        try:
+            text = engine.tokenizer.apply_chat_template(chat_messages(body.messages))
+        except (ModelError, jinja2.TemplateError) as e:
+            raise APIError(400, str(e), param="messages") from e
+        return engine.tokenizer.encode(text, add_special=False)
+
+    def budget(body: CompletionRequest | ChatRequest, ids: list[int]) -> int:
+        """max_tokens, checked against the limit and the context."""
+        param = "prompt" if isinstance(body, CompletionRequest) else "messages"
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        room = capacity - len(ids)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context holds "
+                           f"{capacity}", param=param, code="context_length_exceeded")
+        asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if asked is None:
+            return min(config.default_max_tokens, room)
+        if asked > config.max_tokens_limit:
+            raise APIError(400, f"max_tokens is {asked}; this server allows at most "
+                           f"{config.max_tokens_limit}", param="max_tokens")
+        if asked > room:
+            raise APIError(400, f"this model's context holds {capacity} tokens; the prompt has "
+                           f"{len(ids)} and max_tokens asks for {asked} more", param="max_tokens",
+                           code="context_length_exceeded")
+        return asked
+
+    async def generate(request: Request, body: CompletionRequest | ChatRequest, ids: list[int],
+                       shape: Shape) -> Response:
+        max_tokens = budget(body, ids)
+        temperature = OPENAI_TEMPERATURE if body.temperature is None else body.temperature
+        try:
+            sampling = SamplingConfig(
+                temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+                top_k=max(0, body.top_k or 0), top_p=1.0 if body.top_p is None else body.top_p,
+                min_p=body.min_p or 0.0, seed=body.seed)
+        except SamplingError as e:
+            raise APIError(400, str(e)) from e
+        spec, stream_stats = resolve_spec(body.speculation, engine.spec,
+                                          has_draft=engine.draft is not None,
+                                          heads=engine.heads.cfg.kind if engine.heads else None)
+        stop, n = stop_strings(body.stop), body.n or 1
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue[Event]()
+
+        def emit(event: Event) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        jobs = [Job(ids, replace(sampling, seed=None if body.seed is None else body.seed + i),
+                    max_tokens, stop, spec, emit, index=i) for i in range(n)]
+        try:
+            worker.submit(jobs)
+        except Busy as e:
+            raise APIError(429, str(e), code="server_busy", type="rate_limit_error") from e
+        except Stopped as e:
+            raise APIError(503, str(e), code="server_stopping") from e
+
+        def cancel() -> None:
+            for job in jobs:
+                worker.cancel(job)
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = stream_events(queue, shape, n, len(ids), include_usage, stream_stats)
+            return EventStream(events, on_close=cancel)
+        try:
+            return await collect(request, queue, shape, n, len(ids))
+        finally:
+            cancel()  # finished jobs ignore it; a client gone or an error frees the slots
+
+    return app
+
+
+def resolve_spec(field: Speculation | None, default: SpecConfig, *, has_draft: bool,
+                 heads: str | None = None) -> tuple[SpecConfig, bool]:
+    """The request's speculation (the server's where it says nothing) and whether it wants
+    running stats in every stream chunk."""
+    if field is None:
+        return default, False
+    method = field.method or default.method
+    if method != "none" and method not in PROPOSERS:
+        raise APIError(400, f"unknown speculation method {method!r}; choose none, "
+                       f"{', '.join(PROPOSERS)}", param="speculation.method")
+    if method == "draft" and not has_draft:
+        raise APIError(400, "this server has no draft model loaded (start it with --method "
+                       "draft); use method ngram or none", param="speculation.method")
+    if method in HEAD_KINDS and method != heads:
+        raise APIError(400, f"this server has no {method} heads loaded (start it with --heads "
+                       f"and --method {method}){'; it has ' + heads if heads else ''}",
+                       param="speculation.method")
+    policy = field.policy or default.policy
+    if policy not in POLICIES:
+        raise APIError(400, f"unknown policy {policy!r}; choose {', '.join(POLICIES)}",
+                       param="speculation.policy")
+    ngram_min = field.ngram_min or default.ngram_min
+    ngram_max = field.ngram_max or default.ngram_max
+    if ngram_min > ngram_max:
+        raise APIError(400, f"need ngram_min ({ngram_min}) <= ngram_max ({ngram_max})",
+                       param="speculation.ngram_min")
+    k = default.k if field.k is None else field.k
+    return SpecConfig(method, k, policy, ngram_min, ngram_max, default.tree,
+                      default.tree_topk), field.stream_stats
+
+
+async def collect(request: Request, queue: asyncio.Queue[Event], shape: Shape, n: int,
+                  prompt_tokens: int) -> Response:
+    """A whole (non-streaming) response; gives up when the client goes away."""
+    texts: list[list[str]] = [[] for _ in range(n)]
+    done: dict[int, Done] = {}
+    clock = asyncio.get_running_loop().time
+    next_check = clock() + DISCONNECT_POLL_S
+    while len(done) < n:
+        try:
+            event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            event = None
+        if clock() >= next_check:  # events may keep coming: check by the clock
+            if await request.is_disconnected():
+                return Response(status_code=499)  # nobody reads it; the jobs are cancelled
+            next_check = clock() + DISCONNECT_POLL_S
+        if event is None:
+            continue
+        if isinstance(event, Failed):
+            raise APIError(500, event.message)
+        if isinstance(event, Delta):
+            texts[event.index].append(event.text)
+        else:
+            done[event.index] = event
+    choices = [shape.choice(i, "".join(texts[i]), done[i].finish_reason,
+                            done[i].stats.to_dict()) for i in range(n)]
+    completion_tokens = sum(d.completion_tokens for d in done.values())
+    return JSONResponse(shape.response(choices, usage(prompt_tokens, completion_tokens)))
+
+
+async def stream_events(queue: asyncio.Queue[Event], shape: Shape, n: int, prompt_tokens: int,
+                        include_usage: bool, stream_stats: bool) -> AsyncIterator[str]:
+    """Server-sent events: text deltas, one finishing chunk per choice (with its speculation
+    stats), the usage chunk when asked, then [DONE]."""
+    if shape.chat:
+        for i in range(n):
+            yield sse(shape.chunk(i, "", role=True))
+    done: dict[int, Done] = {}
+    while len(done) < n:
+        event = await queue.get()
+        if isinstance(event, Failed):
+            yield sse(error_body(event.message, "server_error"))
+            break
+        if isinstance(event, Delta):
+            if event.text or stream_stats:
+                yield sse(shape.chunk(event.index, event.text,
+                                      speculation=event.stats if stream_stats else None))
+            continue
+        done[event.index] = event
+        yield sse(shape.chunk(event.index, None, event.finish_reason, event.stats.to_dict()))
+    else:
+        if include_usage:
+            completion_tokens = sum(d.completion_tokens for d in done.values())
+            yield sse(shape.usage_chunk(usage(prompt_tokens, completion_tokens)))
+    yield "data: [DONE]\n\n"
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A text/event-stream response that calls `on_close` however it ends: finished, client
+    disconnected (Starlette cancels the stream) or failed."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+# --- the gate and the error bodies ---------------------------------------------------------------
+
+class Gate:
+    """Pure ASGI middleware in front of every route: checks the API key on /v1/ paths and the
+    body size (Content-Length at once, a chunked body as it arrives), and counts every answered
+    request by path (unknown paths as "other", so fuzzing cannot grow the label set) and status.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
+                 count: Callable[[str, str], None]):
+        self.app, self.api_key, self.max_body_bytes, self.count = (
+            app, api_key, max_body_bytes, count)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                await api_error_response(refusal)(scope, receive, counted)
+            else:
+                await self.app(scope, self.limited(receive), counted)
+        finally:
+            path = scope["path"] if scope["path"] in PATHS else "other"
+            self.count(path, str(status))
+
+    def refusal(self, scope: Scope) -> APIError | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope["headers"]}
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            given = headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return APIError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                code="invalid_api_key")
+        length = headers.get("content-length", "0")
+        if not length.isdigit() or int(length) > self.max_body_bytes:
+            return body_too_large(self.max_body_bytes)
+        return None
+
+    def limited(self, receive: Receive) -> Receive:
+        seen = 0
+
+        async def receive_limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body_bytes:
+                raise HTTPException(413)  # answered by the handler below, as an APIError
+            return message
+
+        return receive_limited
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is over this server's limit of {limit} bytes",
+                    code="request_too_large")
+
+
+def api_error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+HTTP_MESSAGES = {404: "no such route", 405: "method not allowed on this route",
+                 400: "the request body is not valid JSON"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return api_error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            error = APIError(400, f"the request body is not valid JSON: "
+                             f"{first.get('ctx', {}).get('error', '')}", code="invalid_json")
+        else:
+            param = ".".join(loc) or None
+            more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+            error = APIError(400, f"{param or 'body'}: {first.get('msg')}{more}", param=param)
+        return api_error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        if e.status_code == 413:
+            return api_error_response(body_too_large(request.app.state.max_body_bytes))
+        message = HTTP_MESSAGES.get(e.status_code, str(e.detail))
+        return api_error_response(APIError(e.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, e: Exception) -> JSONResponse:
+        return api_error_response(APIError(500, f"internal error: {type(e).__name__}"))

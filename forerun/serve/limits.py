@@ -1,0 +1,16 @@
+"""The server's named limits and defaults, in one place: the CLI shows them, the app and the
+protocol enforce them. Each has a `forerun serve` option where it is a deployment choice."""
+
+DEFAULT_HOST = "127.0.0.1"  # loopback: other machines cannot reach the server unless asked
+DEFAULT_PORT = 8000
+DEFAULT_SLOTS = 4  # --max-concurrent: requests decoded at once, in turn, one KV cache each
+DEFAULT_QUEUE = 64  # --max-queue: requests waiting for a slot; beyond this, 429
+MAX_BODY_BYTES = 1 << 20  # --max-body-bytes: a larger request body is refused with 413
+MAX_TOKENS_LIMIT = 4096  # --max-tokens-limit: the largest max_tokens a request may ask for
+MAX_K = 16  # the longest draft a request may ask for
+MAX_N = 8  # choices per request
+MAX_STOP = 4  # stop strings per request, as OpenAI
+MAX_SEED = 2**63 - 1
+# How often a non-streaming request checks that its client is still there; uvicorn notices a
+# closed connection only after the first check resumes reading it, so leaving takes two checks.
+DISCONNECT_POLL_S = 0.25

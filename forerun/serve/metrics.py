@@ -1,0 +1,109 @@
+"""The server's Prometheus metrics: one registry per server (so tests can run several).
+
+Owns: metric names, help texts and buckets, and the derived gauges (acceptance rate, mean
+accepted length, acceptance per draft position), which use the definitions of forerun.metrics
+over every sequence since the server started. Written by the worker thread and the HTTP
+middleware, read by `GET /metrics`; prometheus_client's metrics are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Enum,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+SPEC_MODES = ("full", "reduced", "off")
+
+disable_created_metrics()  # no `*_created` timestamp series beside every counter
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("forerun_requests", "HTTP requests answered, by path and status",
+                                ["path", "status"], registry=r)
+        self.finished = Counter("forerun_sequences_finished", "generated sequences (choices) "
+                                "ended, by reason: stop, length, cancelled, error", ["reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("forerun_prompt_tokens", "prompt tokens admitted",
+                                     registry=r)
+        self.generation_tokens = Counter("forerun_generation_tokens", "tokens generated",
+                                         registry=r)
+        self.drafted = Counter("forerun_draft_tokens", "draft tokens proposed", registry=r)
+        self.accepted = Counter("forerun_accepted_tokens", "draft tokens accepted", registry=r)
+        self.verify_steps = Counter("forerun_verify_steps", "verify steps (target passes after "
+                                    "the prefill)", registry=r)
+        self.forward_passes = Counter("forerun_target_forward_passes", "target forward passes "
+                                      "(prefills + verify steps)", registry=r)
+        self.drafted_at = Counter("forerun_draft_tokens_at_position", "draft tokens proposed at "
+                                  "each draft position (0 = first)", ["position"], registry=r)
+        self.accepted_at = Counter("forerun_accepted_tokens_at_position", "draft tokens "
+                                   "accepted at each draft position", ["position"], registry=r)
+        self.acceptance_at = Gauge("forerun_acceptance_by_position", "P(draft token i accepted "
+                                   "| at least i+1 drafted), since start", ["position"],
+                                   registry=r)
+        Gauge("forerun_acceptance_rate", "accepted / drafted draft tokens, since start",
+              registry=r).set_function(self._acceptance_rate)
+        Gauge("forerun_mean_accepted_length", "mean over verify steps of accepted + 1 "
+              "(includes the bonus/recovered token), since start",
+              registry=r).set_function(self._mean_accepted_length)
+        self.ttft = Histogram("forerun_time_to_first_token_seconds", "request arrival to its "
+                              "first token (queueing included)", buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("forerun_inter_token_latency_seconds", "gap between tokens after "
+                             "the first (a step's gap shared by its tokens)", buckets=ITL_BUCKETS,
+                             registry=r)
+        self.queue_depth = Gauge("forerun_queue_depth", "requests waiting for a slot", registry=r)
+        self.running = Gauge("forerun_requests_running", "requests holding a slot", registry=r)
+        self.slots = Gauge("forerun_slots", "decode slots (max concurrent requests)", registry=r)
+        self.mode = Enum("forerun_speculation_mode", "speculation under the current load: full, "
+                         "reduced (k halved) or off", states=list(SPEC_MODES), registry=r)
+        self._lock = threading.Lock()
+        self._totals = [0, 0, 0]  # drafted, accepted, verify steps
+        self._at: dict[int, list[int]] = {}  # position -> [drafted, accepted]
+
+    def observe_step(self, drafted: int, accepted: int, tokens: int, prefill: bool) -> None:
+        self.forward_passes.inc()
+        self.generation_tokens.inc(tokens)
+        if prefill:
+            return
+        self.verify_steps.inc()
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
+        with self._lock:
+            totals = self._totals
+            totals[0] += drafted
+            totals[1] += accepted
+            totals[2] += 1
+            for i in range(drafted):
+                at = self._at.setdefault(i, [0, 0])
+                at[0] += 1
+                at[1] += i < accepted
+                self.drafted_at.labels(str(i)).inc()
+                self.accepted_at.labels(str(i)).inc(i < accepted)
+                self.acceptance_at.labels(str(i)).set(at[1] / at[0])
+
+    def set_mode(self, mode: str) -> None:
+        self.mode.state(mode)
+
+    def _acceptance_rate(self) -> float:
+        with self._lock:
+            drafted, accepted, _ = self._totals
+        return accepted / drafted if drafted else 0.0
+
+    def _mean_accepted_length(self) -> float:
+        with self._lock:
+            _, accepted, steps = self._totals
+        return (accepted + steps) / steps if steps else 0.0
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

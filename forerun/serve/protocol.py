@@ -1,0 +1,213 @@
+"""The wire format: OpenAI request bodies (pydantic), response and stream-chunk bodies, errors.
+
+Owns: what a request may contain and what is refused (with the field named in `param`), the
+`speculation` extension field, and the JSON shapes of responses, stream chunks and errors
+(`{"error": {"message", "type", "param", "code"}}`). Knows nothing of models or the worker.
+
+Extensions beyond the OpenAI API: `speculation` ("off", or {"method", "k", "policy",
+"ngram_min", "ngram_max", "stream_stats"}), and `top_k` and `min_p` as vLLM accepts them.
+As in vLLM, a temperature below GREEDY_BELOW is greedy (dividing logits by it would overflow).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from forerun.serve.limits import MAX_K, MAX_N, MAX_SEED, MAX_STOP
+
+GREEDY_BELOW = 1e-5
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None
+               ) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _encodable(text: str) -> str:
+    text.encode("utf-8")  # a lone surrogate (JSON "\ud800") cannot reach the tokenizer
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+
+
+class Speculation(BaseModel):
+    """Per-request speculation; unset fields take the server's values. The string "off" is
+    short for {"method": "none"}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str | None = Field(None, description="none, draft or ngram")
+    k: int | None = Field(None, ge=0, le=MAX_K, description="draft tokens per verify step")
+    policy: str | None = Field(None, description="fixed, adaptive or cost")
+    ngram_min: int | None = Field(None, ge=1, le=MAX_K)
+    ngram_max: int | None = Field(None, ge=1, le=MAX_K)
+    stream_stats: bool = Field(False, description="running speculation stats in every chunk")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI clients send
+    fields a server may not know; known but unsupported ones are refused (see `unsupported`)."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2, description="default 1, as OpenAI")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="extension; 0 or -1 = off")
+    min_p: float | None = Field(None, ge=0, lt=1, description="extension")
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    speculation: Speculation | None = None
+
+    @field_validator("speculation", mode="before")
+    @classmethod
+    def _off(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if value != "off":
+                raise ValueError('must be "off" or an object such as {"method": "ngram", "k": 4}')
+            return {"method": "none"}
+        return value
+
+
+class CompletionRequest(_Sampling):
+    prompt: Text | list[int] | list[Text] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: Text
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def unsupported(req: CompletionRequest | ChatRequest) -> None:
+    """Refuse fields we accept in the schema but cannot honour, naming each."""
+    checks: list[tuple[str, bool, str]] = [
+        ("logprobs", req.logprobs not in (None, False), "logprobs are not supported"),
+        ("presence_penalty", bool(req.presence_penalty), "presence_penalty is not supported "
+         "(penalties would change the target distribution speculation preserves)"),
+        ("frequency_penalty", bool(req.frequency_penalty), "frequency_penalty is not supported"),
+        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
+    ]
+    if isinstance(req, CompletionRequest):
+        checks += [("echo", bool(req.echo), "echo is not supported"),
+                   ("suffix", req.suffix is not None, "suffix is not supported"),
+                   ("best_of", req.best_of not in (None, 1, req.n), "best_of is not supported")]
+    else:
+        checks += [("top_logprobs", req.top_logprobs is not None, "logprobs are not supported"),
+                   ("tools", bool(req.tools), "tools are not supported"),
+                   ("response_format", (req.response_format or {}).get("type", "text") != "text",
+                    "response_format other than text is not supported")]
+    for param, refused, message in checks:
+        if refused:
+            raise APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP:
+        raise APIError(400, f"at most {MAX_STOP} stop strings, got {len(stops)}", param="stop")
+    return tuple(s for s in stops if s)
+
+
+def chat_messages(messages: list[Message]) -> list[dict]:
+    """The messages as chat templates expect them: text content; developer -> system."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "".join(
+            part.text for part in m.content)
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": content or ""} | ({"name": m.name} if m.name else {}))
+    return out
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+class Shape:
+    """Builds the response and stream-chunk bodies of one request (one id, one timestamp)."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, choices: list[dict], usage: dict) -> dict:
+        return self._head("chat.completion" if self.chat else "text_completion") | {
+            "choices": choices, "usage": usage}
+
+    def choice(self, index: int, text: str, finish_reason: str, speculation: dict) -> dict:
+        body = ({"message": {"role": "assistant", "content": text}} if self.chat
+                else {"text": text})
+        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason,
+                "speculation": speculation}
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None,
+              speculation: dict | None = None, role: bool = False) -> dict:
+        if self.chat:
+            delta = ({"role": "assistant"} if role else {}) | (
+                {"content": text} if text is not None else {})
+            choice = {"index": index, "delta": delta}
+        else:
+            choice = {"index": index, "text": text or ""}
+        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        if speculation is not None:
+            choice["speculation"] = speculation
+        return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
+            "choices": [choice]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
+            "choices": [], "usage": usage}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,383 @@
+"""`forerun train {medusa,hydra,eagle,eagle3}`: heads distilled from the target itself.
+
+Owns: the training corpus, the data collection (the target's features and its top-K next-token
+distribution at every position, written as resumable shards) and the training loop. Data:
+- code: the Python standard library's own sources on this machine, teacher-forced in windows;
+- chat: the target's own replies (greedy) to the questions in CHAT_PROMPTS, written for this
+  file (none is a benchmark row), then teacher-forced like the code.
+Loss: cross-entropy against the target's distribution (its top-K, renormalised over the head's
+reduced vocabulary): KL to the target up to a constant, as GKD-style distillation does, not only
+the sampled token; EAGLE-1 adds its feature regression. Reported: per-head (per-step for EAGLE)
+top-1/top-5 agreement with the target's argmax on held-out windows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from forerun.heads import HeadConfig, Heads, TargetIO, save_heads
+from forerun.propose.heads import causal
+from forerun.runtime.base import Runtime
+
+TEACHER_TOP = 32  # the target's most likely tokens kept per position
+
+CHAT_PROMPTS = (
+    "Explain the difference between a process and a thread.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "What are three ways to reduce memory use in a pandas DataFrame?",
+    "Give me a short packing list for a three-day hiking trip.",
+    "How does HTTPS keep a connection private?",
+    "Summarize the causes of the French Revolution in a paragraph.",
+    "Write a SQL query that returns the ten customers with the highest total order value.",
+    "What is the time complexity of binary search, and why?",
+    "Translate 'The weather is lovely today' into Spanish and German.",
+    "Write a bash one-liner that counts lines in all .py files under a folder.",
+    "Explain what a Python decorator is, with an example.",
+    "How do I undo the last git commit but keep the changes?",
+    "What is the difference between TCP and UDP?",
+    "Write a haiku about compilers.",
+    "Explain gradient descent to a high-school student.",
+    "Write a JavaScript function that debounces another function.",
+    "What should I check before deploying a web service to production?",
+    "Describe how a hash map handles collisions.",
+    "Write a Rust function that reverses a vector in place.",
+    "If a train travels 120 km in 1.5 hours, what is its average speed? Show the steps.",
+    "Suggest five names for a coffee shop run by programmers.",
+    "Explain the CAP theorem in simple terms.",
+    "Write a Python class for a stack with push, pop and peek.",
+    "What is the difference between a list and a tuple in Python?",
+    "How can I make a slow SQL query faster?",
+    "Write unit tests with pytest for a function add(a, b).",
+    "Explain what Docker containers are and why people use them.",
+    "Give a recipe for a simple tomato pasta sauce.",
+    "Refactor this code to use a list comprehension: result = []\nfor x in xs:\n"
+    "    if x > 0:\n        result.append(x * 2)",
+    "What does the `yield` keyword do in Python?",
+    "Write a regular expression that matches an email address, and explain it.",
+    "Explain the difference between supervised and unsupervised learning.",
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    kind: str
+    max_tokens: int = 20000  # data budget: target tokens collected
+    seq_len: int = 256  # teacher-forced window
+    chat: int = 16  # CHAT_PROMPTS answered by the target (self-distillation)
+    chat_tokens: int = 96  # reply length per chat prompt
+    steps: int = 600
+    lr: float = 1e-3
+    held_out: float = 0.1  # fraction of windows kept for agreement
+    ttt: int = 3  # eagle3: rolled-out steps (training-time test)
+    seed: int = 0
+
+
+# --- data ---------------------------------------------------------------------------------
+
+def code_corpus() -> Iterator[str]:
+    """The standard library's top-level sources, in a fixed order."""
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            yield path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+
+
+def windows(engine, cfg: TrainConfig, skip=lambda i: False) -> Iterator[list[int] | None]:
+    """Token windows of cfg.seq_len: the target's chat replies first, then code; None for a
+    chat window `skip(i)` says is already collected (its reply is not generated again)."""
+    tok = engine.tokenizer
+    for i, question in enumerate(CHAT_PROMPTS[:cfg.chat]):
+        if skip(i):
+            yield None
+            continue
+        done = engine.generate(question, max_tokens=cfg.chat_tokens)
+        yield (tok.encode_prompt(question) + done.token_ids)[-cfg.seq_len:]
+    buffer: list[int] = []
+    for text in code_corpus():
+        buffer += tok.encode(text, add_special=False)
+        while len(buffer) >= cfg.seq_len:
+            yield buffer[:cfg.seq_len]
+            buffer = buffer[cfg.seq_len:]
+
+
+def teacher(runtime: Runtime, ids: list[int], layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """One window through the target: its features and its top-K next-token log-probs."""
+    runtime.truncate(0)
+    out = runtime.forward(torch.tensor(ids), hidden_layers=layers)
+    top_lp, top_ids = out.logits.float().log_softmax(-1).topk(TEACHER_TOP, dim=-1)  # [T, K]
+    runtime.truncate(0)
+    shard = {"tokens": torch.tensor(ids, dtype=torch.int32), "top_ids": top_ids.int(),
+             "top_lp": top_lp.half()}
+    for layer in layers:
+        shard[f"h{layer}"] = out.hidden[layer].to(torch.bfloat16).contiguous()  # [T, D]
+    return shard
+
+
+def collect(engine, cfg: TrainConfig, layers: tuple[int, ...], data_dir: Path) -> list[Path]:
+    """Shards data_dir/window-NNNNN.safetensors, one per window, up to cfg.max_tokens tokens;
+    windows already there are kept (resumable): the corpus order is fixed."""
+    from safetensors.torch import save_file
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    total = max(1, cfg.max_tokens // cfg.seq_len)
+    paths = [data_dir / f"window-{i:05d}.safetensors" for i in range(total)]
+    with tqdm(total=total, desc="collect", unit="window") as bar:
+        for i, ids in enumerate(windows(engine, cfg, skip=lambda i: paths[i].exists())):
+            if i >= total:
+                break
+            if ids is not None and not paths[i].exists():
+                save_file(teacher(engine.target, ids, layers), str(paths[i]))
+            bar.update()
+    return [p for p in paths if p.exists()]
+
+
+def load_shards(paths: list[Path]) -> list[dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return [load_file(str(p)) for p in paths]
+
+
+# --- losses -------------------------------------------------------------------------------
+
+def teacher_probs(w: dict, rows: slice, lookup: torch.Tensor, n: int) -> torch.Tensor:
+    """[R, N] the target's top-K distribution over the reduced vocabulary (renormalised)."""
+    ids, lp = w["top_ids"][rows].long(), w["top_lp"][rows].float()  # [R, K]
+    idx = lookup[ids]  # [R, K]; -1 = outside the reduced vocabulary
+    p = lp.exp() * (idx >= 0)
+    out = torch.zeros(ids.shape[0], n).scatter_add_(1, idx.clamp_min(0), p)
+    return out / out.sum(-1, keepdim=True).clamp_min(1e-9)
+
+
+def predictions(heads: Heads, w: dict, cfg: TrainConfig
+                ) -> tuple[list[tuple[torch.Tensor, slice]], torch.Tensor]:
+    """[(logits [R, N], teacher rows)] per head (medusa/hydra) or per rolled-out step (eagle):
+    logits at row t predict the token that the target's distribution at row t + 1 + i is
+    over; and an extra loss (EAGLE-1's feature regression, else 0)."""
+    hc, x = heads.cfg, w["tokens"].long()
+    T = x.shape[0]
+    if hc.kind == "medusa":
+        z = heads.medusa(w["h-1"].float())  # [K, T, D]
+        return [(heads.logits(z[i, :T - 1 - i]), slice(1 + i, T))
+                for i in range(hc.num_heads)], torch.zeros(())
+    if hc.kind == "hydra":
+        z, out = w["h-1"].float(), []
+        for i in range(hc.num_heads):
+            z = heads.hydra_step(i, z[:T - 1 - i], x[1 + i:])  # [T-1-i, D]
+            out.append((heads.logits(z), slice(1 + i, T)))
+        return out, torch.zeros(())
+    feature = heads.feature({k: w[f"h{k}"] for k in hc.layers})  # [T, D]
+    out, steps, extra = [], (cfg.ttt if hc.kind == "eagle3" else 1), torch.zeros(())
+    for i in range(steps):  # step i: inputs at positions i.., its own outputs after step 0
+        n = T - 1 - i
+        k_cache, v_cache = heads.new_cache(n)
+        o = heads.eagle_step(feature[:n], x[1 + i:], torch.arange(i, i + n), k_cache, v_cache,
+                             0, causal(0, n))  # [n, D]
+        out.append((heads.logits(o), slice(1 + i, T)))
+        if hc.kind == "eagle":  # EAGLE-1 also regresses the next feature
+            extra = 0.1 * F.smooth_l1_loss(o, w["h-1"][1:].float())
+        feature = o[:-1]
+    return out, extra
+
+
+def window_loss(heads: Heads, w: dict, cfg: TrainConfig, lookup: torch.Tensor,
+                ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Mean cross-entropy to the target over heads/steps, and (top1, top5, count) per head."""
+    n, losses, agree = heads.vocab_ids.shape[0], [], []
+    preds, extra = predictions(heads, w, cfg)
+    for logits, rows in preds:
+        target = teacher_probs(w, rows, lookup, n)  # [R, N]
+        logq = logits.log_softmax(-1)
+        losses.append(-(target * logq).sum(-1).mean())
+        best = lookup[w["top_ids"][rows, 0].long()]  # [R] the target's argmax, -1 if outside
+        top5 = logits.topk(min(5, n), dim=-1).indices  # [R, 5]
+        agree.append((int((top5[:, 0] == best).sum()), int((top5 == best[:, None]).any(-1).sum()),
+                      best.shape[0]))
+    return torch.stack(losses).mean() + extra, agree
+
+
+def agreement(heads: Heads, shards: list[dict], cfg: TrainConfig, lookup) -> dict:
+    sums: list[list[int]] = []
+    losses = []
+    with torch.no_grad():
+        for w in shards:
+            loss, agree = window_loss(heads, w, cfg, lookup)
+            losses.append(float(loss))
+            for i, a in enumerate(agree):
+                if i == len(sums):
+                    sums.append([0, 0, 0])
+                sums[i] = [s + v for s, v in zip(sums[i], a, strict=True)]
+    return {"loss": sum(losses) / max(1, len(losses)),
+            "top1": [round(s[0] / max(1, s[2]), 4) for s in sums],
+            "top5": [round(s[1] / max(1, s[2]), 4) for s in sums]}
+
+
+# --- the loop -----------------------------------------------------------------------------
+
+def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path | None = None,
+          progress: bool = True) -> dict:
+    """AdamW with a cosine schedule over cfg.steps windows; resumes from `checkpoint`."""
+    torch.manual_seed(cfg.seed)
+    split = max(1, int(len(shards) * cfg.held_out)) if len(shards) > 1 else 0
+    held, train_set = shards[:split] or shards, shards[split:] or shards
+    lookup = torch.full((heads.cfg.vocab_size,), -1, dtype=torch.long)
+    lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.shape[0])
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+    step = 0
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        heads.load_state_dict(state["heads"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        step = state["step"]
+    before = agreement(heads.eval(), held, cfg, lookup)
+    heads.train()
+    start = time.perf_counter()
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed))
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {heads.cfg.kind}", unit="step",
+               disable=not progress)
+    while step < cfg.steps:
+        w = train_set[int(order[step % len(train_set)])]
+        loss, _ = window_loss(heads, w, cfg, lookup)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
+        bar.update()
+        if checkpoint is not None and (step % 100 == 0 or step == cfg.steps):
+            torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict(), "step": step}, checkpoint)
+    bar.close()
+    after = agreement(heads.eval(), held, cfg, lookup)
+    return {"before": before, "after": after, "train_s": round(time.perf_counter() - start, 1),
+            "windows": len(train_set), "held_out_windows": len(held)}
+
+
+def new_heads(kind: str, io: TargetIO, vocab_ids: torch.Tensor, target_name: str,
+              n_layers: int, **overrides) -> Heads:
+    D = io.embed.shape[1]
+    layers = (n_layers // 4, n_layers // 2, -1) if kind == "eagle3" else (-1,)
+    cfg = HeadConfig(kind, D, io.embed.shape[0], target_name, layers=layers,
+                     draft_vocab=vocab_ids.shape[0], **overrides)
+    torch.manual_seed(0)
+    heads = Heads(cfg, vocab_ids, io)
+    for name, p in heads.named_parameters():  # EAGLE's fc/layer: small random; Medusa: identity
+        if p.dim() == 2 and not name.startswith("blocks"):
+            torch.nn.init.normal_(p, 0, 0.02)
+    return heads
+
+
+def run(engine, target_name: str, cfg: TrainConfig, out: Path, data_dir: Path,
+        draft_vocab: int, **head_overrides) -> dict:
+    """Collect (or reuse) the data, train, save; returns the report."""
+    io = TargetIO(*(t.detach() for t in (engine.target.model.embed.weight,
+                                          engine.target.model.lm_weight())))
+    V = io.embed.shape[0]
+    ids = torch.tensor(engine.tokenizer.frequent_ids(draft_vocab) if draft_vocab else range(V))
+    ids = ids[ids < V]
+    heads = new_heads(cfg.kind, io, ids, target_name, engine.target.config.n_layers,
+                      **head_overrides)
+    t0 = time.perf_counter()
+    paths = collect(engine, cfg, heads.cfg.layers, data_dir)
+    collect_s = time.perf_counter() - t0
+    shards = load_shards(paths)
+    report = train(heads, shards, cfg, checkpoint=out / "checkpoint.pt")
+    report |= {"collect_s": round(collect_s, 1), "data_tokens": sum(
+        int(s["tokens"].shape[0]) for s in shards), "config": asdict(cfg)}
+    heads.cfg = replace(heads.cfg, training=report)
+    save_heads(heads, out)
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+# --- the command --------------------------------------------------------------------------
+
+def add_train_parser(sub, add_model_args) -> None:
+    import argparse
+
+    t = sub.add_parser(
+        "train", help="train Medusa/Hydra/EAGLE heads on the target's own outputs",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Distil drafting heads from the target: collect its features and "
+        "next-token distributions on its own chat replies and on the Python standard library's "
+        "sources (resumable shards), train against them, and write head.safetensors + "
+        "head_config.json (use them with --heads DIR --method KIND).")
+    t.add_argument("kind", choices=["medusa", "hydra", "eagle", "eagle3"])
+    t.add_argument("--max-tokens", type=int, default=TrainConfig.max_tokens,
+                   help="data budget: target tokens to collect")
+    t.add_argument("--seq-len", type=int, default=TrainConfig.seq_len, help="window length")
+    t.add_argument("--chat", type=int, default=TrainConfig.chat,
+                   help=f"chat questions the target answers first (at most {len(CHAT_PROMPTS)})")
+    t.add_argument("--chat-tokens", type=int, default=TrainConfig.chat_tokens)
+    t.add_argument("--steps", type=int, default=TrainConfig.steps, help="training windows")
+    t.add_argument("--lr", type=float, default=TrainConfig.lr)
+    t.add_argument("--ttt", type=int, default=TrainConfig.ttt,
+                   help="eagle3: rolled-out steps trained on the head's own predictions")
+    t.add_argument("--num-heads", type=int, default=4, help="medusa/hydra: heads (tokens deep)")
+    t.add_argument("--ffn-dim", type=int, default=2048, help="eagle: MLP width of its layer")
+    t.add_argument("--head-vocab", type=int, default=32768,
+                   help="the heads' reduced vocabulary (most frequent ids; 0 = all)")
+    t.add_argument("--out", default=None, help="output folder (default: next to the target "
+                   "in the model cache: FORERUN_HOME/heads/TARGET/KIND)")
+    t.add_argument("--data", default=None, help="shard folder (default: FORERUN_HOME/"
+                   "train-data/...); reused and extended when it exists")
+    t.add_argument("--json", action="store_true", help="print only the JSON report")
+    add_model_args(t)
+    t.set_defaults(func=cmd_train)
+
+
+def cmd_train(args) -> int:
+    from forerun.api import Engine
+    from forerun.cli import load_config
+    from forerun.models.catalog import ModelError, forerun_home
+    from forerun.propose import SpecConfig
+
+    load = load_config(args)
+    if load.runtime != "torch":
+        raise ModelError("forerun train collects the target's features with the torch runtime; "
+                         "drop --runtime (the heads then run on either runtime)")
+    if not 0 <= args.chat <= len(CHAT_PROMPTS):
+        raise ValueError(f"--chat must be 0..{len(CHAT_PROMPTS)}")
+    cfg = TrainConfig(args.kind, args.max_tokens, args.seq_len, args.chat, args.chat_tokens,
+                      args.steps, args.lr, ttt=args.ttt)
+    if cfg.max_tokens < cfg.seq_len or cfg.steps < 1:
+        raise ValueError("need --max-tokens >= --seq-len and --steps >= 1")
+    engine = Engine(args.target, None, spec=SpecConfig("none"), load=replace(load, heads=None))
+    name = Path(str(args.target)).name.removesuffix(".gguf")
+    n_layers = engine.target.config.n_layers
+    layers = (n_layers // 4, n_layers // 2, -1) if args.kind == "eagle3" else (-1,)
+    key = f"{name}-{load.dtype}-L{'_'.join(map(str, layers))}-T{cfg.seq_len}"
+    data = Path(args.data) if args.data else forerun_home() / "train-data" / key
+    out = Path(args.out) if args.out else forerun_home() / "heads" / name / args.kind
+    overrides = {"num_heads": args.num_heads, "ffn_dim": args.ffn_dim}
+    if args.kind in ("eagle", "eagle3"):
+        c = engine.target.config
+        overrides |= {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
+                      "rope_theta": c.rope_theta, "norm_eps": c.norm_eps}
+    report = run(engine, name, cfg, out, data, args.head_vocab, **overrides)
+    report["out"] = str(out)
+    if not args.json:
+        after = report["after"]
+        print(f"wrote {out} ({report['data_tokens']} tokens, {report['train_s']} s training)",
+              file=sys.stderr)
+        print(f"held-out top-1 per head/step: {after['top1']}  top-5: {after['top5']}  "
+              f"(before: {report['before']['top1']})", file=sys.stderr)
+    print(json.dumps(report))
+    return 0

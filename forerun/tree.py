@@ -1,0 +1,147 @@
+"""Token trees: the one small type every tree-drafting method builds and the verifier walks.
+
+Owns: the mapping from a parents array to what a target pass over the tree needs. A draft tree
+has N nodes in topological order (a parent before its children); node i holds a draft token and
+`parents[i]`, the index of its parent, or -1 for a child of the root. The root is the pending
+token (the last token of the sequence, not yet in the target's cache), so a verify pass feeds
+N + 1 tokens: row 0 is the root, row i + 1 is node i. A chain of K tokens is the tree
+parents = [-1, 0, 1, ..., K-2].
+
+    parents [-1, -1, 0, 0, 2]          root
+                                       /    \\
+                                   n0 (d1)  n1 (d1)
+                                   /    \\
+                               n2 (d2)  n3 (d2)
+                                 |
+                               n4 (d3)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    parents: tuple[int, ...]  # [N]; parents[i] in -1 .. i-1
+
+    def __post_init__(self):
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"node {i} has parent {p}: parents must come first (-1 = root)")
+
+    @staticmethod
+    def chain(n: int) -> TokenTree:
+        return TokenTree(tuple(range(-1, n - 1)))
+
+    @staticmethod
+    def of(parents: torch.Tensor | list[int] | None, n: int) -> TokenTree:
+        """The tree of a Draft: its parents, or a chain of n when it has none."""
+        return TokenTree.chain(n) if parents is None else TokenTree(tuple(int(p) for p in parents))
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depth(self) -> tuple[int, ...]:
+        """[N] depth of each node: 1 for a child of the root."""
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return tuple(depth)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """[N + 1] children of each row (row 0 = the root), in node order."""
+        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents):
+            kids[p + 1].append(i)
+        return tuple(tuple(k) for k in kids)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def path(self, node: int) -> list[int]:
+        """Nodes from the root's child down to `node` (empty for the root, node = -1)."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf node paths, one per leaf, in leaf order."""
+        return [self.path(i) for i in range(len(self)) if not self.children[i + 1]]
+
+    def mask(self) -> torch.Tensor:
+        """[N+1, N+1] bool: row r may attend to row c iff c is r or one of its ancestors
+        (the root is everyone's ancestor)."""
+        n = len(self) + 1
+        m = torch.zeros(n, n, dtype=torch.bool)
+        m[:, 0] = True
+        for i, p in enumerate(self.parents):
+            m[i + 1] = m[p + 1]
+            m[i + 1, i + 1] = True
+        return m
+
+    def positions(self, start: int) -> torch.Tensor:
+        """[N+1] int64 positions of the verify pass: the root at `start`, a node at start+depth."""
+        return torch.tensor([start, *(start + d for d in self.depth)], dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    token: int  # an index into the drafter's vocabulary
+    parent: int  # index of the parent candidate, -1 = the root
+    depth: int  # 1 for a child of the root
+    score: float  # log-probability of the path under the drafter
+
+
+def grow_tree(
+    root: torch.Tensor,  # [N] the drafter's log-probabilities after the root
+    expand,  # (candidates: list[int], all: list[Candidate]) -> [len(candidates), N] logprobs
+    depth: int,
+    topk: int,
+    beam: int,
+    budget: int,
+) -> tuple[list[int], list[int]]:
+    """EAGLE-2's dynamic draft tree: grow by drafter confidence, then rerank and prune.
+
+    Each of the `depth` levels keeps the `topk` children of every expanded node; only the
+    `beam` most likely nodes of a level (by path log-probability) are expanded. Of everything
+    grown, the `budget` most likely paths' nodes are kept: a child is never likelier than its
+    parent, so the kept set is a tree. Returns (tokens, parents) in topological order. A chain
+    is depth = budget, topk = beam = 1.
+    """
+    found: list[Candidate] = []
+
+    def add(logprobs: torch.Tensor, parent: int, base: float, d: int) -> None:
+        values, tokens = logprobs.topk(min(topk, logprobs.shape[-1]))  # [k]
+        for v, t in zip(values.tolist(), tokens.tolist(), strict=True):
+            if v > float("-inf"):
+                found.append(Candidate(t, parent, d, base + v))
+
+    add(root, -1, 0.0, 1)
+    level = list(range(len(found)))
+    for d in range(2, depth + 1):
+        frontier = sorted(level, key=lambda i: -found[i].score)[:beam]
+        if not frontier:
+            break
+        logprobs = expand(frontier, found)  # [F, N]
+        first = len(found)
+        for row, i in enumerate(frontier):
+            add(logprobs[row], i, found[i].score, d)
+        level = list(range(first, len(found)))
+    keep = set(sorted(range(len(found)), key=lambda i: (-found[i].score, i))[:budget])
+    for i in list(keep):  # ancestors of a kept node are kept (already so unless scores tie)
+        while found[i].parent >= 0:
+            i = found[i].parent
+            keep.add(i)
+    order = sorted(keep)
+    index = {old: new for new, old in enumerate(order)}
+    return ([found[i].token for i in order],
+            [index[found[i].parent] if found[i].parent >= 0 else -1 for i in order])

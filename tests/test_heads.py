@@ -1,0 +1,315 @@
+"""Token trees, tree verification and the head drafters (Medusa, Hydra, EAGLE, EAGLE-3).
+
+Trees are checked against hand-drawn expectations; a tree pass against chain passes over each
+path; greedy head speculation (chains and trees, random heads) against plain greedy decoding;
+sampling with trees against the target's exact joint distribution (the chi-square test of
+test_lossless_sampling, false-failure probability ALPHA = 1e-4 per check); training on a tiny
+target must lower the loss and raise agreement; heads survive a save/load round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_runtime
+from test_lossless_sampling import ALPHA, PROMPT, V, chi_square_pvalue, exact_joint
+from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
+
+from forerun.engine import speculative_decode
+from forerun.heads import HeadConfig, HeadError, Heads, TargetIO, load_heads, save_heads
+from forerun.policy import FixedK
+from forerun.propose import PROPOSERS, SpecConfig
+from forerun.propose.base import Draft
+from forerun.reference import plain_decode
+from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
+from forerun.train import TrainConfig, teacher, train
+from forerun.tree import TokenTree, grow_tree
+from forerun.verify import recursive_rejection_sample
+
+GREEDY = SamplingConfig(temperature=0)
+RUNS = 1500  # sampled generations per distribution check
+KINDS = ["medusa", "hydra", "eagle", "eagle3"]
+
+
+# --- the tree type ------------------------------------------------------------------------
+
+def test_hand_drawn_tree():
+    tree = TokenTree((-1, -1, 0, 0, 2))  # the docstring's drawing
+    assert tree.depth == (1, 1, 2, 2, 3)
+    assert tree.children == ((0, 1), (2, 3), (), (4,), (), ())
+    assert tree.paths() == [[1], [0, 3], [0, 2, 4]]
+    assert tree.positions(10).tolist() == [10, 11, 11, 12, 12, 13]
+    #                     root n0 n1 n2 n3 n4
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0],   # root
+                             [1, 1, 0, 0, 0, 0],   # n0
+                             [1, 0, 1, 0, 0, 0],   # n1
+                             [1, 1, 0, 1, 0, 0],   # n2
+                             [1, 1, 0, 0, 1, 0],   # n3
+                             [1, 1, 0, 1, 0, 1]],  # n4
+                            dtype=torch.bool)
+    assert torch.equal(tree.mask(), expected)
+    assert not tree.is_chain
+
+
+def test_chain_tree_is_causal():
+    tree = TokenTree.chain(4)
+    assert tree.is_chain and tree.paths() == [[0, 1, 2, 3]]
+    assert torch.equal(tree.mask(), torch.ones(5, 5, dtype=torch.bool).tril())
+    assert tree.positions(3).tolist() == [3, 4, 5, 6, 7]
+    with pytest.raises(ValueError, match="parents must come first"):
+        TokenTree((-1, 2, 0))
+
+
+def test_grow_tree_keeps_the_likeliest_paths():
+    root = torch.tensor([0.5, 0.3, 0.2]).log()
+    level2 = torch.tensor([0.9, 0.1, 0.0]).log()
+    tokens, parents = grow_tree(root, lambda frontier, found: level2.expand(len(frontier), -1),
+                                depth=2, topk=2, beam=1, budget=3)
+    # candidates: 0 (.5), 1 (.3), 0>0 (.45), 0>1 (.05): the best three, parents first
+    assert (tokens, parents) == ([0, 1, 0], [-1, -1, 0])
+    chain = grow_tree(root, lambda f, _: level2.expand(len(f), -1), depth=3, topk=1, beam=1,
+                      budget=3)
+    assert chain == ([0, 0, 0], [-1, 0, 1])
+
+
+# --- tree verification in the torch runtime ---------------------------------------------
+
+PROMPT_T = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def test_tree_pass_rows_equal_chain_passes_over_their_paths():
+    tree = TokenTree((-1, -1, 0, 0, 2))
+    tokens = torch.tensor([7, 8, 9, 10, 11, 12])  # root (pending), then the nodes
+    rt = tiny_runtime(0)
+    rt.forward(torch.tensor(PROMPT_T))
+    base = rt.length
+    logits = rt.forward(tokens, positions=tree.positions(base), tree_mask=tree.mask()).logits
+    for row in range(len(tree) + 1):
+        path = [0, *(i + 1 for i in tree.path(row - 1))]
+        ref = tiny_runtime(0)
+        expected = ref.forward(torch.tensor(PROMPT_T + tokens[path].tolist())).logits[-1]
+        torch.testing.assert_close(logits[row], expected, rtol=1e-9, atol=1e-9)
+
+
+def test_keep_compacts_the_cache_to_the_accepted_path():
+    tree = TokenTree((-1, -1, 0, 0, 2))
+    tokens = torch.tensor([7, 8, 9, 10, 11, 12])
+    rt = tiny_runtime(0)
+    rt.forward(torch.tensor(PROMPT_T))
+    base = rt.length
+    rt.forward(tokens, positions=tree.positions(base), tree_mask=tree.mask())
+    rows = [0, 1, 3, 5]  # root, n0, n2, n4
+    rt.keep(base, rows)
+    assert rt.length == base + 4
+    after = rt.forward(torch.tensor([13])).logits[-1]
+    ref = tiny_runtime(0)
+    expected = ref.forward(torch.tensor(PROMPT_T + tokens[rows].tolist() + [13])).logits[-1]
+    torch.testing.assert_close(after, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_one_branch_tree_verdict_equals_chain_verdict_greedy():
+    rt = tiny_runtime(0)
+    p = logits_to_probs(rt.forward(torch.tensor(PROMPT_T)).logits[-4:], GREEDY)  # [4, V]
+    draft = p[:3].argmax(-1).clone()
+    draft[2] = (draft[2] + 1) % p.shape[1]  # the third draft token is wrong
+    verdict = recursive_rejection_sample(TokenTree.chain(3), draft, p, None, make_generator(0))
+    assert verdict.path == [0, 1] and verdict.tokens == [*draft[:2].tolist(), int(p[2].argmax())]
+
+
+def test_recursive_rejection_first_token_has_the_target_distribution():
+    """Three siblings drawn without replacement from q (q renormalised after each): the first
+    output token must be distributed as p, exactly; checked by chi-square over 20,000 draws."""
+    from scipy.stats import chisquare
+
+    g = torch.Generator().manual_seed(0)
+    Vs = 5
+    p = torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]] * 4, dtype=torch.float64)
+    q0 = torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15], dtype=torch.float64)
+    counts = torch.zeros(Vs)
+    tree = TokenTree((-1, -1, -1))
+    for _ in range(20000):
+        qs, left, picked = [], q0.clone(), []
+        for _ in range(3):
+            q = left / left.sum()
+            x = int(torch.multinomial(q, 1, generator=g))
+            qs.append(q)
+            picked.append(x)
+            left = left.clone()
+            left[x] = 0
+        verdict = recursive_rejection_sample(tree, torch.tensor(picked), p, torch.stack(qs), g)
+        counts[verdict.tokens[0]] += 1
+    assert chisquare(counts.numpy(), (p[0] * 20000).numpy()).pvalue > ALPHA
+
+
+# --- heads: greedy equality, sampling, errors ---------------------------------------------
+
+def random_heads(kind: str, rt, vocab: int, seed: int = 0, scale: float = 0.3) -> Heads:
+    cfg = HeadConfig(kind, dim=rt.config.dim, vocab_size=vocab, num_heads=3,
+                     layers=(0, 1, -1) if kind == "eagle3" else (-1,), draft_vocab=0,
+                     n_heads=4, n_kv_heads=2, ffn_dim=48)
+    io = TargetIO(rt.model.embed.weight.detach(), rt.model.lm_weight().detach())
+    heads = Heads(cfg, torch.arange(vocab), io, context=rt.capacity)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, scale)
+    return heads.eval()
+
+
+def decode(target, proposer, k, sampling, n, generator):
+    steps = list(speculative_decode(target, proposer, FixedK(k), PROMPT_T, sampling, n, (),
+                                    generator))
+    return [t for s in steps for t in s.tokens], steps
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tree", [0, 7])
+def test_greedy_head_speculation_equals_plain_greedy(kind, tree):
+    reference = [t for s in plain_decode(tiny_runtime(0), PROMPT_T, GREEDY, 40, (),
+                                         make_generator(0)) for t in s.tokens]
+    target = tiny_runtime(0)
+    heads = random_heads(kind, target, 64)
+    proposer = PROPOSERS[kind](SpecConfig(kind, 3, tree=tree, tree_topk=3), target, None, heads)
+    out, steps = decode(target, proposer, 3, GREEDY, 40, make_generator(0))
+    assert out == reference
+    assert all(s.drafted <= 3 for s in steps)
+
+
+class OracleTree:
+    """Knows the greedy continuation; puts a wrong sibling first and the right token second at
+    every level, so every verify step accepts a full path off the first branch."""
+
+    name, runtime = "oracle", None
+
+    def __init__(self, reference: list[int]):
+        self.reference = reference
+
+    def prefill(self, prompt):
+        self.start = len(prompt)
+
+    def propose(self, tokens, k, sampling, generator) -> Draft:
+        done = len(tokens) - self.start
+        right = self.reference[done:done + k]
+        toks, parents, parent = [], [], -1
+        for t in right:
+            toks += [(t + 1) % 64, t]
+            parents += [parent, parent]
+            parent = len(toks) - 1
+        return Draft(torch.tensor(toks, dtype=torch.long), None, torch.tensor(parents))
+
+    def commit(self, num_final):
+        pass
+
+
+def test_tree_verification_accepts_paths_off_the_first_branch():
+    reference = [t for s in plain_decode(tiny_runtime(0), PROMPT_T, GREEDY, 30, (),
+                                         make_generator(0)) for t in s.tokens]
+    out, steps = decode(tiny_runtime(0), OracleTree(reference), 4, GREEDY, 30,
+                        make_generator(0))
+    assert out == reference
+    assert [s.accepted for s in steps[1:-1]] == [4] * (len(steps) - 2)
+
+
+@pytest.mark.parametrize(("kind", "tree", "sampling"), [
+    ("medusa", 6, SamplingConfig(temperature=1.0)),
+    ("eagle", 5, SamplingConfig(temperature=0.7, top_p=0.9)),
+    ("hydra", 0, SamplingConfig(temperature=1.0)),
+])
+def test_sampling_with_head_trees_matches_target_joint(kind, tree, sampling):
+    from conftest import tiny_runtime as rt_of
+
+    def target():
+        return rt_of(0, vocab=V, scale=0.4)
+
+    heads = random_heads(kind, target(), V, scale=0.5)
+    counts, generator = {}, make_generator(2024)
+    for _ in range(RUNS):  # fewer runs than test_lossless_sampling: the test stays exact
+        t = target()
+        proposer = PROPOSERS[kind](SpecConfig(kind, 2, tree=tree, tree_topk=2), t, None, heads)
+        steps = speculative_decode(t, proposer, FixedK(2), PROMPT, sampling, 3, (), generator)
+        seq = tuple(x for s in steps for x in s.tokens)
+        counts[seq] = counts.get(seq, 0) + 1
+    assert chi_square_pvalue(exact_joint(sampling), counts) > ALPHA
+
+
+def test_head_methods_need_matching_heads():
+    rt = tiny_runtime(0)
+    with pytest.raises(ValueError, match="needs trained heads"):
+        PROPOSERS["eagle"](SpecConfig("eagle"), rt, None, None)
+    with pytest.raises(ValueError, match="holds medusa heads"):
+        PROPOSERS["eagle"](SpecConfig("eagle"), rt, None, random_heads("medusa", rt, 64))
+
+
+# --- files and training -------------------------------------------------------------------
+
+def test_save_load_round_trip(tmp_path):
+    rt = tiny_runtime(0)
+    io = TargetIO(rt.model.embed.weight.detach(), rt.model.lm_weight().detach())
+    for kind in KINDS:
+        heads = random_heads(kind, rt, 64)
+        save_heads(heads, tmp_path / kind, dtype=torch.float32)
+        again = load_heads(tmp_path / kind, io, context=rt.capacity)
+        assert again.cfg == heads.cfg
+        for (name, a), b in zip(heads.state_dict().items(), again.state_dict().values(),
+                                strict=True):
+            assert torch.equal(a.float(), b), name
+    with pytest.raises(HeadError, match="no heads here"):
+        load_heads(tmp_path / "nowhere", io)
+    wide = TargetIO(torch.zeros(64, 48), torch.zeros(64, 48))
+    with pytest.raises(HeadError, match="width"):
+        load_heads(tmp_path / "medusa", wide)
+
+
+def tiny_shards(rt, layers, n: int, length: int = 48) -> list[dict]:
+    """Windows of the target's own greedy text after random prompts, teacher-forced."""
+    shards, g = [], make_generator(5)
+    for _ in range(n):
+        prompt = torch.randint(0, 64, (4,), generator=g).tolist()
+        steps = plain_decode(rt, prompt, GREEDY, length - 4, (), g)
+        ids = prompt + [t for s in steps for t in s.tokens]
+        shards.append(teacher(rt, ids, layers))
+    return shards
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_lowers_the_loss_and_raises_agreement(kind):
+    rt = tiny_runtime(0, scale=2.0)
+    heads = random_heads(kind, rt, 64, scale=0.05)
+    shards = tiny_shards(rt, heads.cfg.layers, 12)
+    report = train(heads, shards, TrainConfig(kind, steps=150, lr=3e-3, held_out=0.25),
+                   progress=False)
+    before, after = report["before"], report["after"]
+    assert after["loss"] < 0.9 * before["loss"]
+    assert after["top1"][0] > before["top1"][0]
+    assert all(t5 >= t1 for t1, t5 in zip(after["top1"], after["top5"], strict=True))
+
+
+def test_train_command_then_generate_with_the_heads(tmp_path):
+    """`forerun train` on a tiny HF directory, then `forerun generate --heads`: identical."""
+    target = tmp_path / "target"
+    write_hf_dir(target, random_hf_weights(len(byte_tokens()), seed=0), byte_tokens())
+    env_home = {"FORERUN_HOME": str(tmp_path / "home")}
+    base = [sys.executable, "-m", "forerun.cli"]
+    common = ["--target", str(target), "--dtype", "float32"]
+    r = subprocess.run([*base, "train", "eagle", *common, "--max-tokens", "96", "--seq-len",
+                        "32", "--chat", "1", "--chat-tokens", "8", "--steps", "5",
+                        "--head-vocab", "0", "--ffn-dim", "32", "--json"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, **env_home})
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.splitlines()[-1])
+    out = report["out"]
+    assert report["data_tokens"] == 96 and "top1" in report["after"]
+    assert (tmp_path / "home" / "heads" / "target" / "eagle" / "head.safetensors").exists()
+    r = subprocess.run([*base, "generate", *common, "--heads", out, "--method", "eagle",
+                        "--tree", "6", "--max-tokens", "12", "--raw", "--compare", "--json",
+                        "hello"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["identical"] is True
+    r = subprocess.run([*base, "generate", *common, "--heads", str(tmp_path), "--method",
+                        "eagle", "hi"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "no heads here" in r.stderr

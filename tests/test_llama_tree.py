@@ -1,0 +1,246 @@
+"""Tree verification on the llama.cpp runtime (one llama.cpp sequence per leaf): each row of a tree
+pass equals the chain forward of its root-to-node path, keep() of a path leaves the cache a chain
+decode of that path would, and the limits (leaves, masks, positions) fail clearly.
+
+Tolerances. The tiny GGUF has float32 weights, so llama.cpp quantizes nothing; what can differ is
+summation order (logits here have std ~1; argmax equality is checked too, the seeded data has no
+near-tie). A small tree row's keys sit in the same relative cell order as its chain's, and the
+rows matched to the bit where this was written (1e-6 between batch shapes): TREE_ATOL. Two
+effects need more, LOOSE_ATOL (~3x the largest difference seen):
+- after keep(), the kept path's cells stay where they are and the next token may land in a freed
+  cell between them; llama.cpp's CPU flash attention rounds at low precision in cell order, so
+  the next logits move by up to ~2e-3 (by up to ~1 on SmolLM2-135M: forerun/runtime/llama_cpp.py);
+- a pass of 65 rows or more takes other kernels: the first row of a 65-token *chain* differs from
+  a 1-token pass by ~7e-3, and the widest tree allowed (65 rows) by as much.
+"""
+
+import pytest
+import torch
+from tiny_files import CTX, SPECIAL, byte_tokens, random_hf_weights, write_gguf
+
+from forerun.models.load import open_model
+from forerun.tree import TokenTree
+
+pytest.importorskip("llama_cpp")
+from forerun.runtime.llama_cpp import MAX_TREE_LEAVES, LlamaCppRuntime
+
+TREE_ATOL = 1e-4
+LOOSE_ATOL = 2e-2
+PARENTS = (-1, -1, 0, 0, 2)  # forerun/tree.py's drawing: leaves n1, n3, n4 (rows 2, 4, 5)
+TREE = TokenTree(PARENTS)
+PROMPT_LEN = 20
+PATHS = [[0], [0, 2], [0, 1], [0, 1, 3, 5], [0, 1, 4]]  # rows: root, leaf 0's path, inner, leaves
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    tokens = [*byte_tokens()[:-len(SPECIAL)], "ab", *SPECIAL]  # llama.cpp needs a merge
+    path = tmp_path_factory.mktemp("tree") / "tiny.gguf"
+    write_gguf(path, random_hf_weights(len(tokens)), tokens, merges=["a b"])
+    return open_model(str(path))
+
+
+@pytest.fixture(scope="module")
+def rt(source):
+    return source.load(runtime="llama.cpp", context=CTX)
+
+
+@pytest.fixture(scope="module")
+def ref(source):
+    """A second runtime for the chain forwards the tree passes are compared with."""
+    return source.load(runtime="llama.cpp", context=CTX)
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=g)
+    feed = torch.randint(0, 256, (len(TREE) + 1,), generator=g)  # [N+1]: the root, then nodes
+    return prompt, feed
+
+
+def rows_to(row: int) -> list[int]:
+    """Rows of the root-to-node path ending at `row` (row 0 = the root)."""
+    return [0, *(i + 1 for i in TREE.path(row - 1))]
+
+
+def tree_pass(rt, prompt, feed, tree=TREE, **kw):
+    rt.truncate(0)
+    rt.forward(prompt)
+    return rt.forward(feed, positions=tree.positions(len(prompt)), tree_mask=tree.mask(), **kw)
+
+
+def chain_last(ref, ids: torch.Tensor, **kw):
+    ref.truncate(0)
+    return ref.forward(ids, **kw)
+
+
+def close(a, b, atol):
+    return torch.allclose(a, b, atol=atol, rtol=0) and torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_each_tree_row_equals_the_chain_of_its_path(rt, ref, data):
+    prompt, feed = data
+    out = tree_pass(rt, prompt, feed, hidden_layers=(-1,))
+    assert out.logits.shape == (len(feed), rt.config.vocab_size)
+    assert out.hidden[-1].shape == (len(feed), rt.config.dim)
+    assert rt.length == PROMPT_LEN + len(feed)
+    for row in range(len(feed)):
+        want = chain_last(ref, torch.cat([prompt, feed[rows_to(row)]]), hidden_layers=(-1,))
+        assert close(out.logits[row], want.logits[-1], TREE_ATOL), row
+        assert torch.allclose(out.hidden[-1][row], want.hidden[-1][-1], atol=TREE_ATOL), row
+    rt.truncate(PROMPT_LEN)
+
+
+def test_a_one_branch_tree_is_the_chain_forward(rt, data):
+    prompt, feed = data
+    chain = TokenTree.chain(len(feed) - 1)
+    as_tree = tree_pass(rt, prompt, feed, tree=chain).logits
+    assert rt.length == PROMPT_LEN + len(feed)
+    rt.forward(feed[:1])  # a chain leaves nothing to resolve
+    rt.truncate(PROMPT_LEN)
+    assert torch.equal(as_tree, rt.forward(feed).logits)
+    rt.truncate(PROMPT_LEN)
+
+
+@pytest.mark.parametrize("rows", PATHS)
+def test_keep_leaves_the_cache_of_a_chain_decode_of_the_path(rt, ref, data, rows):
+    prompt, feed = data
+    nxt = torch.tensor([42])
+    tree_pass(rt, prompt, feed)
+    rt.keep(PROMPT_LEN, rows)
+    assert rt.length == PROMPT_LEN + len(rows)
+    got = rt.forward(nxt).logits[-1]
+    chain_last(ref, prompt)
+    ref.forward(feed[rows])
+    want = ref.forward(nxt).logits[-1]
+    assert close(got, want, LOOSE_ATOL)
+
+
+def test_truncate_into_and_before_a_tree_pass(rt, ref, data):
+    prompt, feed = data
+    nxt = torch.tensor([42])
+    tree_pass(rt, prompt, feed)
+    rt.truncate(PROMPT_LEN + 2)  # rows 0, 1 are a path: keep(start, [0, 1])
+    got = rt.forward(nxt).logits[-1]
+    want = chain_last(ref, torch.cat([prompt, feed[:2], nxt])).logits[-1]
+    assert close(got, want, LOOSE_ATOL)
+    tree_pass(rt, prompt, feed)
+    with pytest.raises(ValueError, match="root-to-node path"):
+        rt.truncate(PROMPT_LEN + 3)  # rows 0, 1, 2: siblings 1 and 2 are no path
+    rt.truncate(PROMPT_LEN)  # the whole pass goes
+    assert close(rt.forward(nxt).logits[-1],
+                 chain_last(ref, torch.cat([prompt, nxt])).logits[-1], TREE_ATOL)
+
+
+def test_a_tree_pass_must_be_resolved_and_rows_must_be_a_path(rt, data):
+    prompt, feed = data
+    tree_pass(rt, prompt, feed)
+    with pytest.raises(ValueError, match="unresolved"):
+        rt.forward(feed[:1])
+    for rows in ([1], [0, 2, 4], [0, 3], [0, 9]):  # no root; not a path; skips a depth; no row
+        with pytest.raises(ValueError, match="root-to-node path"):
+            rt.keep(PROMPT_LEN, rows)
+    with pytest.raises(ValueError, match="root-to-node path"):
+        rt.keep(PROMPT_LEN - 1, [0])
+    assert rt.length == PROMPT_LEN + len(feed)  # failed calls change nothing
+    rt.keep(PROMPT_LEN, [0, 1, 3])
+    assert rt.length == PROMPT_LEN + 3
+
+
+def test_keep_after_a_chain_pass_is_truncate(rt, data):
+    prompt, feed = data
+    nxt = torch.tensor([42])
+    rt.truncate(0)
+    rt.forward(prompt)
+    rt.forward(feed)
+    rt.keep(PROMPT_LEN, [0, 1, 2])
+    assert rt.length == PROMPT_LEN + 3
+    kept = rt.forward(nxt).logits
+    rt.truncate(PROMPT_LEN + 3)
+    assert torch.equal(kept, rt.forward(nxt).logits)
+    with pytest.raises(ValueError, match=r"only rows 0\.\.n-1"):
+        rt.keep(PROMPT_LEN, [0, 2])
+    with pytest.raises(ValueError, match=r"only rows 0\.\.n-1"):
+        rt.keep(PROMPT_LEN, list(range(10)))  # past the cache
+
+
+def test_freed_branches_do_not_fill_the_cache(rt, data):
+    """Each pass writes len(feed) cells; were the dropped branches not freed, a few dozen passes
+    would overflow the KV cache (CTX cells, padded by llama.cpp to at most a few hundred)."""
+    prompt, feed = data
+    rt.truncate(0)
+    rt.forward(prompt)
+    for _ in range(200):
+        rt.forward(feed, positions=TREE.positions(PROMPT_LEN), tree_mask=TREE.mask())
+        rt.keep(PROMPT_LEN, [0, 1, 4])
+        rt.truncate(PROMPT_LEN)
+    assert rt.length == PROMPT_LEN
+
+
+def test_the_leaf_limit_holds_and_the_runtime_still_works(rt, ref, data):
+    prompt = data[0]
+    nxt = torch.tensor([42])
+    widest = TokenTree((-1,) * MAX_TREE_LEAVES)  # the root and MAX_TREE_LEAVES children
+    ids = torch.arange(len(widest) + 1) % 256
+    out = tree_pass(rt, prompt, ids, tree=widest).logits
+    last = chain_last(ref, torch.cat([prompt, ids[[0, -1]]])).logits[-1]
+    assert close(out[-1], last, LOOSE_ATOL)
+    rt.truncate(PROMPT_LEN)
+    too_wide = TokenTree((-1,) * (MAX_TREE_LEAVES + 1))
+    ids = torch.arange(len(too_wide) + 1) % 256
+    with pytest.raises(ValueError, match=f"at most {MAX_TREE_LEAVES} leaves"):
+        rt.forward(ids, positions=too_wide.positions(PROMPT_LEN), tree_mask=too_wide.mask())
+    assert rt.length == PROMPT_LEN
+    got = rt.forward(nxt).logits[-1]
+    assert close(got, chain_last(ref, torch.cat([prompt, nxt])).logits[-1], TREE_ATOL)
+
+
+def test_bad_masks_and_positions_fail_clearly(rt, data):
+    prompt, feed = data
+    rt.truncate(0)
+    rt.forward(prompt)
+    T = len(feed)
+    good = TREE.positions(PROMPT_LEN)
+    not_tree = TREE.mask().clone()
+    not_tree[5, 2] = True  # row 5 would see rows 2 and 3, which are siblings
+    for mask in (torch.ones(T, T, dtype=torch.bool), not_tree,
+                 TREE.mask() & ~torch.eye(T, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="ancestor mask"):
+            rt.forward(feed, positions=good, tree_mask=mask)
+    with pytest.raises(ValueError, match="for 6 tokens"):
+        rt.forward(feed, positions=good, tree_mask=TREE.mask()[:5, :5])
+    with pytest.raises(NotImplementedError, match="start \\+ its depth"):
+        rt.forward(feed, tree_mask=TREE.mask())  # default positions: the slots, not depths
+    with pytest.raises(NotImplementedError, match="start \\+ its depth"):
+        rt.forward(feed, positions=good)  # tree positions without the tree
+    assert rt.length == PROMPT_LEN
+
+
+def test_a_tree_longer_than_the_batch_is_chunked(source, rt, data):
+    prompt, feed = data
+    small = LlamaCppRuntime(source.path, source.config, CTX, batch=4)
+    chunked = tree_pass(small, prompt, feed).logits  # rows 0-3, then 4-5
+    whole = tree_pass(rt, prompt, feed).logits
+    assert close(chunked, whole, TREE_ATOL)
+    rt.truncate(PROMPT_LEN)
+
+
+def test_forks_do_tree_passes_of_their_own(rt, ref, data):
+    prompt, feed = data
+    nxt = torch.tensor([42])
+    first, second = rt.fork(), rt.fork()
+    other = prompt.flip(0)
+    first.forward(prompt)
+    second.forward(other)
+    a = first.forward(feed, positions=TREE.positions(PROMPT_LEN), tree_mask=TREE.mask()).logits
+    b = second.forward(feed, positions=TREE.positions(PROMPT_LEN), tree_mask=TREE.mask()).logits
+    first.keep(PROMPT_LEN, [0, 1, 3, 5])
+    second.keep(PROMPT_LEN, [0, 2])
+    a_next, b_next = first.forward(nxt).logits[-1], second.forward(nxt).logits[-1]
+    for ctx, out, rows, after in ((prompt, a, [0, 1, 3, 5], a_next), (other, b, [0, 2], b_next)):
+        assert close(out[rows[-1]], chain_last(ref, torch.cat([ctx, feed[rows]])).logits[-1],
+                     TREE_ATOL)
+        assert close(after, chain_last(ref, torch.cat([ctx, feed[rows], nxt])).logits[-1],
+                     LOOSE_ATOL)
+    assert first.length == PROMPT_LEN + 5 and second.length == PROMPT_LEN + 3

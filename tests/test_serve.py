@@ -1,0 +1,728 @@
+"""`forerun serve` over real HTTP on loopback, driven by the real `openai` client and httpx.
+
+Tiny random models in float64, where arithmetic is exact enough that greedy speculative output
+equals greedy plain output (tests/test_engine.py), so every greedy answer of the server, with any
+speculation, is checked against plain `Engine.generate` on the same prompt ("solo" output).
+
+Two servers:
+- `server`: the real CLI, `python -m forerun.cli serve`, in a subprocess: draft-model speculation
+  (k = 3) with a draft that is the target plus noise over a reduced vocabulary, an API key,
+  8 slots, a 32-request queue;
+- `slow_server`: the same app in an in-process uvicorn thread over a runtime whose every forward
+  pass sleeps, so that requests last long enough to fill the queue, be shed or be abandoned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
+
+from forerun import Engine, LoadConfig, SpecConfig
+from forerun.models.load import open_model
+from forerun.runtime.base import ForwardOutput
+from forerun.sampling import SamplingConfig
+from forerun.serve.app import ServeConfig, create_app
+from forerun.serve.worker import Busy, Done, Job, LoadShedding, Stopped, Worker, k_cap
+
+NAME, KEY = "tiny", "test-key"
+DRAFT_NOISE = 0.01  # the draft is the target perturbed: it agrees often, not always
+DRAFT_VOCAB = 200  # of 259 tokens: the server's draft proposes from a reduced vocabulary
+BODY_LIMIT = 64 * 1024
+SERVER_MAX_TOKENS = 16  # --max-tokens: what a request without max_tokens gets
+STARTUP_S = 120
+PROMPTS = ["Hello there", "def f(x):", "The quick brown fox", "abcabcabc", "1, 2, 3, 4,"]
+SPECS = [None, "off", {"method": "ngram", "k": 4}, {"method": "draft", "k": 2,
+                                                       "policy": "adaptive"}]
+CONCURRENT_CLIENTS = 24
+SLOW_FORWARD_S = 0.02  # slow_server: each forward pass sleeps this long
+
+
+# --- models, reference, servers ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("serve")
+    tokens = byte_tokens()
+    weights = random_hf_weights(len(tokens), seed=0)
+    write_hf_dir(root / "target", weights, tokens)
+    g = torch.Generator().manual_seed(1)
+    write_hf_dir(root / "draft", {k: v + DRAFT_NOISE * torch.randn(v.shape, generator=g)
+                                  for k, v in weights.items()}, tokens)
+    return root / "target", root / "draft"
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    """solo(prompt, max_tokens, chat=False, stop=()) -> the Completion of plain greedy decoding."""
+    engine = Engine(str(model_dirs[0]), None, spec=SpecConfig("none"),
+                    load=LoadConfig(dtype="float64"))
+    cache = {}
+
+    def solo(prompt: str, max_tokens: int, chat: bool = False, stop: tuple[str, ...] = ()):
+        key = (prompt, max_tokens, chat, stop)
+        if key not in cache:
+            ids = engine.tokenizer.encode_prompt(prompt, raw=not chat)
+            cache[key] = engine.generate(ids, max_tokens=max_tokens, stop=stop)
+        return cache[key]
+
+    solo.tokenizer = engine.tokenizer
+    return solo
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base: str, alive=lambda: True, describe=lambda: "") -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        assert alive(), f"the server exited: {describe()}"
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"no healthy server after {STARTUP_S} s: {describe()}")
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "forerun.cli", "serve", "--target", str(model_dirs[0]),
+             "--draft", str(model_dirs[1]), "--method", "draft", "-k", "3",
+             "--draft-vocab", str(DRAFT_VOCAB),
+             "--dtype", "float64", "--draft-dtype", "float64", "--port", str(port),
+             "--api-key", KEY, "--served-model-name", NAME, "--max-concurrent", "8",
+             "--max-queue", "32", "--max-tokens", str(SERVER_MAX_TOKENS),
+             "--max-body-bytes", str(BODY_LIMIT), "--log-level", "warning"],
+            stdout=out, stderr=subprocess.STDOUT,
+            env=os.environ | {"OMP_NUM_THREADS": "1"})  # tiny matmuls: threads only cost
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, lambda: proc.poll() is None, log.read_text)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def client(base: str, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60, **kw)
+
+
+class SlowRuntime:
+    """A runtime whose every forward pass takes SLOW_FORWARD_S longer: requests that last."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, tokens, **kw):
+        time.sleep(SLOW_FORWARD_S)
+        return self.inner.forward(tokens, **kw)
+
+    def fork(self) -> SlowRuntime:
+        return SlowRuntime(self.inner.fork())
+
+
+class ThreadServer:
+    """uvicorn serving an app on a free loopback port, in a thread of this process."""
+
+    def __init__(self, app):
+        self.base = f"http://127.0.0.1:{free_port()}"
+        port = int(self.base.rsplit(":", 1)[1])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ThreadServer:
+        self.thread.start()
+        wait_healthy(self.base, self.thread.is_alive)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def slow_server(model_dirs):
+    """2 slots + 1 queued request, n-gram speculation turned off above 1 request in flight."""
+    src = open_model(str(model_dirs[0]))
+    engine = Engine.from_runtimes(SlowRuntime(src.load(dtype="float64")), src.tokenizer,
+                                  spec=SpecConfig("ngram", 3))
+    worker = Worker(engine, slots=2, max_queue=1, shedding=LoadShedding(off_above=1))
+    with ThreadServer(create_app(worker, ServeConfig(NAME))) as s:
+        yield s.base
+
+
+def health(base: str) -> dict:
+    return httpx.get(f"{base}/health").json()
+
+
+def wait_until(condition, within: float) -> float:
+    """Seconds until `condition()` holds; fails after `within`."""
+    start = time.monotonic()
+    while time.monotonic() - start < within:
+        if condition():
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise AssertionError(f"not so after {within} s")
+
+
+def wait_idle(base: str, within: float) -> float:
+    """Seconds until no request runs or waits; fails after `within`."""
+    return wait_until(lambda: (h := health(base))["running"] == h["waiting"] == 0, within)
+
+
+def metric(base: str, name: str, **labels) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def extra(obj, key: str):
+    return (obj.model_extra or {}).get(key)
+
+
+# --- the OpenAI API, greedy, against solo output --------------------------------------------------
+
+def test_models_and_health(server):
+    assert [m.id for m in client(server).models.list().data] == [NAME]
+    assert health(server)["status"] == "ok"
+
+
+@pytest.mark.parametrize("speculation", SPECS, ids=["server-default", "off", "ngram", "draft"])
+def test_completion_equals_solo_greedy_output(server, reference, speculation):
+    body = {} if speculation is None else {"speculation": speculation}
+    for prompt in PROMPTS[:3]:
+        out = client(server).completions.create(model=NAME, prompt=prompt, max_tokens=24,
+                                                temperature=0, extra_body=body)
+        want = reference(prompt, 24)
+        choice = out.choices[0]
+        assert choice.text == want.text and choice.finish_reason == want.finish_reason
+        assert out.usage.prompt_tokens == len(reference.tokenizer.encode_prompt(prompt, raw=True))
+        assert out.usage.completion_tokens == len(want.token_ids)
+        stats = extra(choice, "speculation")
+        assert stats["new_tokens"] == len(want.token_ids)
+        method = {None: "draft", "off": "none"}.get(speculation) if not isinstance(
+            speculation, dict) else speculation["method"]
+        assert stats["method"] == method
+        if method == "none":
+            assert stats["drafted"] == 0 and stats["target_forward_passes"] == len(want.token_ids)
+        else:
+            assert 0 <= stats["acceptance_rate"] <= 1 and stats["mean_accepted_length"] >= 1
+
+
+def test_streaming_completion_text_usage_and_stats(server, reference):
+    chunks = list(client(server).completions.create(
+        model=NAME, prompt=PROMPTS[1], max_tokens=30, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    want = reference(PROMPTS[1], 30)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(final) == 1 and final[0].choices[0].finish_reason == want.finish_reason
+    stats = extra(final[0].choices[0], "speculation")
+    assert stats["method"] == "draft" and stats["drafted"] > 0
+    assert stats["accepted"] > 0  # the draft is the target plus a little noise
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_solo_chat_output(server, reference, stream):
+    for prompt in PROMPTS[2:4]:
+        want = reference(prompt, 20, chat=True)
+        out = client(server).chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=20,
+            temperature=0, stream=stream)
+        if stream:
+            chunks = list(out)
+            assert chunks[0].choices[0].delta.role == "assistant"
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = out.choices[0].message.content, out.choices[0].finish_reason
+            assert out.usage.completion_tokens == len(want.token_ids)
+        assert text == want.text and finish == want.finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_the_text(server, reference, stream):
+    full = reference(PROMPTS[0], 24).text
+    stop = full[6:8]
+    want = reference(PROMPTS[0], 24, stop=(stop,))
+    assert want.finish_reason == "stop" and want.text == full[:full.index(stop)]
+    out = client(server).completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24,
+                                            temperature=0, stop=[stop, "never-seen"],
+                                            stream=stream)
+    if stream:
+        chunks = list(out)
+        text = "".join(c.choices[0].text for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        text, finish = out.choices[0].text, out.choices[0].finish_reason
+    assert (text, finish) == (want.text, "stop")
+
+
+def test_speculation_stats_in_every_chunk_when_asked(server):
+    chunks = list(client(server).completions.create(
+        model=NAME, prompt=PROMPTS[3], max_tokens=24, temperature=0, stream=True,
+        extra_body={"speculation": {"method": "ngram", "k": 4, "stream_stats": True}}))
+    running = [extra(c.choices[0], "speculation") for c in chunks[:-1]]
+    passes = [s["target_forward_passes"] for s in running]
+    assert passes == list(range(1, len(passes) + 1))  # one chunk per target forward pass
+    final = extra(chunks[-1].choices[0], "speculation")
+    assert final["method"] == "ngram" and final["target_forward_passes"] == passes[-1]
+    assert running[-1]["new_tokens"] == final["new_tokens"] > 0
+    assert running[-1]["drafted"] == final["drafted"] > 0  # the prompt repeats: n-grams match
+
+
+def test_default_max_tokens_and_seeded_sampling_with_n(server):
+    def sample():
+        out = client(server).completions.create(model=NAME, prompt=PROMPTS[0], n=3, seed=7,
+                                                temperature=1.0, top_p=0.9)
+        return [c.text for c in sorted(out.choices, key=lambda c: c.index)], out.usage
+
+    texts, use = sample()
+    assert len(texts) == 3 and sample()[0] == texts  # the seed reproduces every choice
+    assert len(set(texts)) > 1  # choice i samples with seed + i
+    assert use.completion_tokens <= 3 * SERVER_MAX_TOKENS
+
+
+# --- refusals: clear 4xx, OpenAI-shaped, and the server keeps serving ----------------------------
+
+def post(base: str, path: str, body, *, key: str | None = KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, dict | list):
+        return httpx.post(f"{base}{path}", json=body, headers=headers, timeout=60, **kw)
+    headers["Content-Type"] = "application/json"
+    return httpx.post(f"{base}{path}", content=body, headers=headers, timeout=60, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None,
+                 code: str | None = None, text: str = "") -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and text in error["message"]
+    if code is not None:
+        assert error["code"] == code
+
+
+def completion(**fields) -> dict:
+    return {"model": NAME, "prompt": "hi", "max_tokens": 4} | fields
+
+
+@pytest.mark.parametrize(("body", "status", "param", "code", "text"), [
+    (b"{not json", 400, None, "invalid_json", "not valid JSON"),
+    (b"[" * 5000 + b"]" * 5000, 400, None, None, ""),
+    (completion(model="gpt-4"), 404, "model", "model_not_found", "does not exist"),
+    (completion(prompt="x" * 200), 400, "prompt", "context_length_exceeded", "context holds"),
+    (completion(max_tokens=200), 400, "max_tokens", "context_length_exceeded", "asks for"),
+    (completion(max_tokens=0), 400, "max_tokens", None, "greater than or equal to 1"),
+    (completion(temperature=-1), 400, "temperature", None, ""),
+    (completion(top_p=0), 400, "top_p", None, ""),
+    (completion(n=100), 400, "n", None, ""),
+    (completion(seed=-1), 400, "seed", None, ""),
+    (completion(stop=["a", "b", "c", "d", "e"]), 400, "stop", None, "at most 4"),
+    (completion(logprobs=1), 400, "logprobs", "unsupported_parameter", "not supported"),
+    (completion(presence_penalty=0.5), 400, "presence_penalty", "unsupported_parameter", ""),
+    (completion(prompt=""), 400, "prompt", None, "empty"),
+    (completion(prompt=[1, 2, 10**6]), 400, "prompt", None, "token ids"),
+    (completion(prompt=["a", "b"]), 400, "prompt", None, "one prompt"),
+    (completion(speculation="on"), 400, "speculation", None, 'must be "off"'),
+    (completion(speculation={"method": "medusa"}), 400, "speculation.method", None, "medusa"),
+    (completion(speculation={"k": 99}), 400, "speculation.k", None, ""),
+    (completion(speculation={"policy": "x"}), 400, "speculation.policy", None, ""),
+    (completion(speculation={"kk": 1}), 400, "speculation.kk", None, ""),
+    ({"model": NAME}, 400, "prompt", None, "Field required"),
+])
+def test_bad_completion_requests_are_clear_4xx(server, body, status, param, code, text):
+    assert_error(post(server, "/v1/completions", body), status, param, code, text)
+
+
+@pytest.mark.parametrize(("body", "param", "text"), [
+    ({"model": NAME, "messages": []}, "messages", ""),
+    ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", ""),
+    ({"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     None, ""),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+     "logprobs", "not supported"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+     "tools", "not supported"),
+])
+def test_bad_chat_requests_are_clear_400s(server, body, param, text):
+    r = post(server, "/v1/chat/completions", body)
+    if param is None:
+        param = r.json()["error"]["param"]
+        assert param.startswith("messages.0.content")
+    assert_error(r, 400, param, None, text)
+
+
+def test_key_size_and_route_refusals(server):
+    assert_error(post(server, "/v1/completions", completion(), key=None), 401, None,
+                 "invalid_api_key")
+    assert_error(post(server, "/v1/completions", completion(), key="wrong"), 401, None,
+                 "invalid_api_key")
+    assert_error(post(server, "/v1/completions", completion(prompt="x" * BODY_LIMIT)), 413,
+                 None, "request_too_large")
+
+    def chunked():  # no Content-Length: the limit applies as the body arrives
+        yield json.dumps(completion(prompt="y" * BODY_LIMIT)).encode()
+
+    assert_error(post(server, "/v1/completions", chunked()), 413, None, "request_too_large")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert_error(httpx.get(f"{server}/v1/nothing-here", headers=auth), 404)
+    assert_error(httpx.get(f"{server}/nothing-here"), 404)
+    assert_error(httpx.get(f"{server}/v1/completions", headers=auth), 405)
+    assert client(server).completions.create(model=NAME, prompt="ok", max_tokens=2).choices
+
+
+def test_openai_client_raises_its_own_errors(server):
+    with pytest.raises(openai.NotFoundError):
+        client(server).completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server).chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "z" * 300}])
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="bad", max_retries=0).models.list()
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+          "top_k", "min_p", "n", "stream", "stream_options", "stop", "seed", "logprobs",
+          "speculation", "echo", "suffix", "best_of", "logit_bias", "response_format"]
+VALUES = (JSON | st.integers(-2**70, 2**70) | st.sampled_from(
+    ["off", "", "\x00", "\ud800", [1, 2], [[1]], {"method": "ngram", "k": 0},
+     {"include_usage": True}, [{"role": "user", "content": "hi"}]]))
+BODIES = st.one_of(
+    JSON,
+    st.fixed_dictionaries({"model": st.just(NAME)}, optional={
+        f: VALUES for f in FIELDS}),
+    st.fixed_dictionaries({"model": st.just(NAME), "prompt": st.text(max_size=40),
+                           "max_tokens": st.integers(1, 8)}, optional={
+        f: VALUES for f in FIELDS if f not in ("prompt", "max_tokens")}))
+
+
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(body=BODIES, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_hostile_bodies_never_5xx(server, body, path):
+    r = post(server, path, json.dumps(body).encode())  # lone surrogates go as \ud800 escapes
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# --- load: concurrent streams, each exactly its solo output ---------------------------------------
+
+def test_concurrent_streams_each_equal_their_solo_output(server, reference):
+    async def one(api: openai.AsyncOpenAI, i: int) -> tuple[str, str, int]:
+        spec = SPECS[i % len(SPECS)]
+        stream = await api.completions.create(
+            model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=12 + i % 7, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={} if spec is None else {"speculation": spec})
+        text, usage = [], None
+        async for chunk in stream:
+            text += [c.text for c in chunk.choices]
+            usage = chunk.usage or usage
+        return "".join(text), chunk.id, usage.completion_tokens
+
+    async def all_of_them():
+        api = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0,
+                                 timeout=120)
+        async with api:
+            return await asyncio.gather(*(one(api, i) for i in range(CONCURRENT_CLIENTS)))
+
+    before = metric(server, "forerun_sequences_finished_total", reason="length")
+    results = asyncio.run(asyncio.wait_for(all_of_them(), 180))
+    assert len({rid for _, rid, _ in results}) == CONCURRENT_CLIENTS
+    for i, (text, _, tokens) in enumerate(results):
+        want = reference(PROMPTS[i % len(PROMPTS)], 12 + i % 7)
+        assert text == want.text, f"client {i}"
+        assert tokens == len(want.token_ids)
+    finished = sum(metric(server, "forerun_sequences_finished_total", reason=r)
+                   for r in ("stop", "length"))
+    assert finished >= CONCURRENT_CLIENTS + before
+    wait_idle(server, 5)
+
+
+def test_metrics_exposition(server):
+    client(server).completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=8)
+    text = httpx.get(f"{server}/metrics").text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert {"forerun_requests", "forerun_prompt_tokens", "forerun_generation_tokens",
+            "forerun_draft_tokens", "forerun_accepted_tokens", "forerun_acceptance_rate",
+            "forerun_mean_accepted_length", "forerun_acceptance_by_position",
+            "forerun_time_to_first_token_seconds", "forerun_inter_token_latency_seconds",
+            "forerun_queue_depth", "forerun_requests_running", "forerun_speculation_mode",
+            "forerun_slots"} <= names
+    assert metric(server, "forerun_generation_tokens_total") > 0
+    assert metric(server, "forerun_requests_total", path="/v1/completions", status="200") > 0
+    assert metric(server, "forerun_time_to_first_token_seconds_count") > 0
+    assert 0 < metric(server, "forerun_acceptance_rate") <= 1
+    assert metric(server, "forerun_mean_accepted_length") >= 1
+    assert metric(server, "forerun_acceptance_by_position", position="0") > 0
+    assert metric(server, "forerun_slots") == 8
+    assert metric(server, "forerun_speculation_mode", forerun_speculation_mode="full") == 1
+
+
+def test_load_script_runs_against_a_server(server, tmp_path):
+    out = tmp_path / "load.json"
+    r = subprocess.run(
+        [sys.executable, "scripts/serve_load.py", "--base-url", f"{server}/v1", "--api-key",
+         KEY, "--concurrency", "1,2", "--modes", "on,off,adaptive", "--method", "ngram",
+         "--requests", "2", "--max-tokens", "6", "--prompt", PROMPTS[0], "--prompt", PROMPTS[3],
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(row["mode"], row["concurrency"]) for row in rows} == {
+        (m, c) for m in ("on", "off", "adaptive") for c in (1, 2)}
+    assert all(row["tokens"] > 0 and row["total_tok_s"] > 0 for row in rows)
+
+
+# --- a slow server: queue limits, shedding speculation, clients that leave ------------------------
+
+def open_stream(http: httpx.Client, max_tokens: int, prompt: str = PROMPTS[3]):
+    body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    return http.stream("POST", "/v1/completions", json=body)
+
+
+def test_full_server_answers_429_and_sheds_speculation(slow_server, reference):
+    with httpx.Client(base_url=slow_server, timeout=60) as http:
+        streams = [open_stream(http, 60) for _ in range(3)]  # 2 slots + 1 queued
+        responses = [s.__enter__() for s in streams]
+        assert [r.status_code for r in responses] == [200, 200, 200]
+        wait_until(lambda: health(slow_server)["running"] == 2, within=5)  # admitted at a round
+        h = health(slow_server)
+        assert (h["running"], h["waiting"], h["speculation_mode"]) == (2, 1, "off")
+        assert metric(slow_server, "forerun_speculation_mode",
+                      forerun_speculation_mode="off") == 1
+        assert metric(slow_server, "forerun_queue_depth") == 1
+        r = http.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2})
+        assert_error(r, 429, None, "server_busy", "retry later")
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        # speculation was off, or reduced to nothing, for part of the way: still exact
+        text = "".join(json.loads(line[6:])["choices"][0]["text"]
+                       for line in responses[0].iter_lines()
+                       if line.startswith("data: {"))
+        assert text == reference(PROMPTS[3], 60).text
+        for s in streams:
+            s.__exit__(None, None, None)
+    wait_idle(slow_server, 5)
+    assert health(slow_server)["speculation_mode"] == "full"
+    out = client(slow_server).completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=8,
+                                                 temperature=0)
+    assert out.choices[0].text == reference(PROMPTS[4], 8).text
+    assert extra(out.choices[0], "speculation")["method"] == "ngram"
+
+
+def test_client_leaving_mid_stream_frees_its_slot_at_once(slow_server):
+    wait_idle(slow_server, 5)
+    cancelled = metric(slow_server, "forerun_sequences_finished_total", reason="cancelled")
+    with httpx.Client(base_url=slow_server, timeout=60) as http, open_stream(http, 100) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        assert health(slow_server)["running"] == 1
+    # 100 tokens take >= 2 s here; the slot must come back long before that
+    assert wait_idle(slow_server, 1.0) < 1.0
+    assert metric(slow_server, "forerun_sequences_finished_total",
+                  reason="cancelled") == cancelled + 1
+
+
+def test_client_leaving_a_non_streaming_request_frees_its_slot(slow_server, reference):
+    # greedy, no speculation, and a prompt whose greedy text runs the full 120 tokens: the
+    # request must last >= 120 forward passes (2.4 s), whatever the machine
+    assert len(reference(PROMPTS[3], 120).token_ids) == 120
+    wait_idle(slow_server, 5)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{slow_server}/v1/completions", timeout=0.3,
+                   json={"model": NAME, "prompt": PROMPTS[3], "max_tokens": 120,
+                         "temperature": 0, "speculation": "off"})
+    # noticed within two DISCONNECT_POLL_S checks, long before the 120 tokens (>= 2.4 s) end
+    assert wait_idle(slow_server, 2.0) < 2.0
+
+
+class ScriptedRuntime:
+    """A "model" that writes a script: after a prompt of `prompt_len` tokens it predicts
+    script[0], script[1], ... whatever it is fed, then the stop token."""
+
+    def __init__(self, script: list[int], prompt_len: int, vocab: int, stop: int):
+        self.script, self.prompt_len, self.stop, self.length = script, prompt_len, stop, 0
+        self.config, self.capacity = SimpleNamespace(vocab_size=vocab), 128
+
+    def forward(self, tokens, *, last_only=False, **_) -> ForwardOutput:
+        positions = range(self.length, self.length + len(tokens))
+        self.length += len(tokens)
+        nexts = [self.script[p] if 0 <= p < len(self.script) else self.stop
+                 for p in (q + 1 - self.prompt_len for q in positions)]
+        logits = torch.zeros(len(nexts), self.config.vocab_size, dtype=torch.float64)
+        logits[range(len(nexts)), nexts] = 1.0
+        return ForwardOutput(logits[-1:] if last_only else logits)
+
+    def truncate(self, length: int) -> None:
+        self.length = length
+
+    def fork(self) -> ScriptedRuntime:
+        return ScriptedRuntime(self.script, self.prompt_len, self.config.vocab_size, self.stop)
+
+
+@pytest.mark.parametrize("speculation", ["off", {"method": "ngram", "k": 3}])
+def test_streamed_text_never_splits_a_utf8_character(model_dirs, speculation):
+    """Byte-level tokens: every multi-byte character arrives in pieces, and no SSE chunk may
+    carry half of one; the raw stream is `data: {json}` events ending with `data: [DONE]`."""
+    tokenizer = open_model(str(model_dirs[0])).tokenizer
+    text = "é世界ü! ok é世界ü!"
+    script = tokenizer.encode(text, add_special=False)
+    assert len(script) > len(text)  # several tokens per character
+    prompt = [1, 2, 3]
+    runtime = ScriptedRuntime(script, len(prompt), len(tokenizer.vocab),
+                              tokenizer.tokenizer.token_to_id("<|im_end|>"))
+    worker = Worker(Engine.from_runtimes(runtime, tokenizer, spec=SpecConfig("none")), slots=1,
+                    max_queue=1)
+    with ThreadServer(create_app(worker, ServeConfig(NAME))) as s:
+        r = httpx.post(f"{s.base}/v1/completions", json={
+            "model": NAME, "prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True,
+            "speculation": speculation})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in r.text.split("\n") if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:])["choices"][0] for e in events[:-1]]
+    pieces = [c["text"] for c in chunks if c["text"]]
+    assert "".join(pieces) == text and len(pieces) > 3
+    assert not any("\ufffd" in p for p in pieces)
+    assert chunks[-1]["finish_reason"] == "stop"
+
+
+class BrokenRuntime(ScriptedRuntime):
+    """Fails on its fifth forward pass, as a runtime with a bug or a dead device would."""
+
+    calls = 0
+
+    def forward(self, tokens, **kw) -> ForwardOutput:
+        BrokenRuntime.calls += 1
+        if BrokenRuntime.calls == 5:
+            raise RuntimeError("device lost")
+        return super().forward(tokens, **kw)
+
+    def fork(self) -> BrokenRuntime:
+        return BrokenRuntime(self.script, self.prompt_len, self.config.vocab_size, self.stop)
+
+
+def test_a_failing_generation_is_an_error_and_the_server_keeps_serving(model_dirs):
+    tokenizer = open_model(str(model_dirs[0])).tokenizer
+    script = tokenizer.encode("0123456789", add_special=False)
+    runtime = BrokenRuntime(script, 3, len(tokenizer.vocab), 0)
+    worker = Worker(Engine.from_runtimes(runtime, tokenizer, spec=SpecConfig("none")), slots=1,
+                    max_queue=1)
+    body = {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}
+    with ThreadServer(create_app(worker, ServeConfig(NAME))) as s:
+        BrokenRuntime.calls = 0
+        assert_error(httpx.post(f"{s.base}/v1/completions", json=body), 500, None, None,
+                     "device lost")
+        BrokenRuntime.calls = 0
+        r = httpx.post(f"{s.base}/v1/completions", json=body | {"stream": True})
+        events = [line for line in r.text.split("\n") if line]
+        assert "device lost" in json.loads(events[-2][6:])["error"]["message"]
+        assert events[-1] == "data: [DONE]"
+        ok = httpx.post(f"{s.base}/v1/completions", json=body)  # calls > 5: healthy again
+        assert ok.json()["choices"][0]["text"] == "01234567"
+        assert health(s.base)["status"] == "ok"
+
+
+# --- the worker alone ----------------------------------------------------------------------------
+
+def test_load_shedding_modes_and_caps():
+    shed = LoadShedding(reduce_above=2, off_above=4)
+    assert [shed.mode(n) for n in range(7)] == ["full"] * 3 + ["reduced"] * 2 + ["off"] * 2
+    assert LoadShedding().mode(1000) == "full"
+    assert k_cap("reduced", 4) == 2 and k_cap("reduced", 1) == 1 and k_cap("off", 8) == 0
+    assert k_cap("full", 4) > 16  # no cap: an adaptive policy may grow past its start value
+
+
+def test_submit_is_all_or_nothing_and_cancel_unqueues(model_dirs):
+    src = open_model(str(model_dirs[0]))
+    engine = Engine.from_runtimes(src.load(dtype="float64"), src.tokenizer, spec=SpecConfig(
+        "ngram", 2))
+    worker = Worker(engine, slots=1, max_queue=2)  # not started: jobs stay queued
+
+    def job() -> Job:
+        return Job([1, 2, 3], SamplingConfig(), 4, (), engine.spec, emit=lambda e: None)
+
+    first, second = job(), job()
+    worker.submit([first, second])
+    with pytest.raises(Busy):
+        worker.submit([job(), job()])
+    assert worker.in_flight == (0, 2)
+    worker.cancel(first)
+    assert worker.in_flight == (0, 1)
+    worker.submit([job(), job()])
+    worker.start()
+    worker.stop()
+    with pytest.raises(Stopped):
+        worker.submit([job()])
+
+
+def test_worker_interleaves_jobs_each_as_if_alone(model_dirs, reference):
+    """Three jobs in two slots, stepped in turn: each gets exactly its solo tokens."""
+    src = open_model(str(model_dirs[0]))
+    engine = Engine.from_runtimes(src.load(dtype="float64"), src.tokenizer, spec=SpecConfig(
+        "ngram", 3))
+    worker = Worker(engine, slots=2, max_queue=4)
+    events: dict[int, list] = {0: [], 1: [], 2: []}
+    done = threading.Event()
+
+    def emit_for(i):
+        def emit(event):
+            events[i].append(event)
+            if all(any(isinstance(e, Done) for e in evs) for evs in events.values()):
+                done.set()
+        return emit
+
+    jobs = [Job(src.tokenizer.encode_prompt(PROMPTS[i], raw=True), SamplingConfig(), 20, (),
+                SpecConfig(["ngram", "none", "ngram"][i], 3), emit_for(i)) for i in range(3)]
+    worker.submit(jobs)
+    worker.start()
+    try:
+        assert done.wait(60)
+    finally:
+        worker.stop()
+    for i in range(3):
+        text = "".join(e.text for e in events[i] if not isinstance(e, Done))
+        assert text == reference(PROMPTS[i], 20).text
