@@ -229,7 +229,8 @@ def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path |
           progress: bool = True) -> dict:
     """AdamW with a cosine schedule over cfg.steps windows; resumes from `checkpoint`."""
     torch.manual_seed(cfg.seed)
-    split = max(1, int(len(shards) * cfg.held_out)) if len(shards) > 1 else 0
+    # held_out = 0: agreement on the training windows themselves (a capacity check)
+    split = max(1, int(len(shards) * cfg.held_out)) if cfg.held_out > 0 and len(shards) > 1 else 0
     held, train_set = shards[:split] or shards, shards[split:] or shards
     lookup = torch.full((heads.cfg.vocab_size,), -1, dtype=torch.long)
     lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.shape[0])
@@ -259,7 +260,7 @@ def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path |
         opt.step()
         sched.step()
         step += 1
-        bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
         bar.update()
         if checkpoint is not None and (step % 100 == 0 or step == cfg.steps):
             torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(),
