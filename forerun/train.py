@@ -295,6 +295,7 @@ def run(engine, target_name: str, cfg: TrainConfig, out: Path, data_dir: Path,
     ids = ids[ids < V]
     heads = new_heads(cfg.kind, io, ids, target_name, engine.target.config.n_layers,
                       **head_overrides)
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     paths = collect(engine, cfg, heads.cfg.layers, data_dir)
     collect_s = time.perf_counter() - t0

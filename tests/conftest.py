@@ -41,3 +41,27 @@ def tiny_runtime(seed: int, vocab: int = 64, capacity: int = 256, **kw) -> Torch
 @pytest.fixture
 def make_runtime():
     return tiny_runtime
+
+
+def random_heads(kind: str, rt: TorchRuntime, seed: int = 0, scale: float = 0.3):
+    """Randomly initialised heads of `kind` on a tiny target (equality tests need no training)."""
+    from forerun.heads import HeadConfig, Heads, TargetIO
+
+    vocab = rt.config.vocab_size
+    cfg = HeadConfig(kind, dim=rt.config.dim, vocab_size=vocab, num_heads=3,
+                     layers=(0, 1, -1) if kind == "eagle3" else (-1,), draft_vocab=0,
+                     n_heads=4, n_kv_heads=2, ffn_dim=48)
+    io = TargetIO(rt.model.embed.weight.detach(), rt.model.lm_weight().detach())
+    heads = Heads(cfg, torch.arange(vocab), io, context=rt.capacity)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, scale)
+    return heads.eval()
+
+
+def heads_for(method: str, rt: TorchRuntime):
+    """Random heads when `method` drafts with heads, else None."""
+    from forerun.heads import KINDS
+
+    return random_heads(method, rt) if method in KINDS else None

@@ -4,9 +4,10 @@ drafts that disagree often."""
 
 import pytest
 import torch
-from conftest import tiny_runtime
+from conftest import heads_for, tiny_runtime
 
 from forerun.engine import speculative_decode
+from forerun.heads import KINDS
 from forerun.policy import POLICIES, FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.reference import plain_decode
@@ -32,15 +33,18 @@ def speculative(method, k, policy="fixed", prompt=(), draft_seed=0, max_new=MAX_
     target = tiny_runtime(target_seed, capacity=capacity)
     draft = tiny_runtime(draft_seed, capacity=capacity, noise=noise)
     spec = SpecConfig(method, k, policy)
-    proposer = PROPOSERS[method](spec, target, draft)
+    proposer = PROPOSERS[method](spec, target, draft, heads_for(method, target))
     lengths = POLICIES[policy](spec, target, proposer.runtime)
     steps = list(speculative_decode(target, proposer, lengths, list(prompt),
                                     SamplingConfig(), max_new, stop, make_generator(0)))
     return [t for s in steps for t in s.tokens], steps
 
 
-@pytest.mark.parametrize("method", list(PROPOSERS))
-@pytest.mark.parametrize("k", [1, 2, 5, 8])
+# every method x policy x prompt; head methods (also covered in test_heads) at two k only
+GRID = [(m, k) for m in PROPOSERS for k in ([1, 2, 5, 8] if m not in KINDS else [2, 5])]
+
+
+@pytest.mark.parametrize(("method", "k"), GRID)
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 def test_greedy_speculative_equals_plain(method, k, policy, prompt):
@@ -111,7 +115,7 @@ def test_seeded_sampling_reproduces():
 
 def test_unknown_method_is_rejected():
     with pytest.raises(ValueError, match="unknown method"):
-        SpecConfig("medusa")
+        SpecConfig("lookahead")
 
 
 def test_tiny_model_logits_are_float64():
@@ -141,8 +145,9 @@ def word_tokenizer(vocab: int = 64):
 def test_engine_cuts_text_at_a_stop_string_spanning_tokens(method):
     from forerun import Engine
 
-    engine = Engine.from_runtimes(tiny_runtime(0), word_tokenizer(), tiny_runtime(0, noise=0.05),
-                                  SpecConfig(method, 4))
+    target = tiny_runtime(0)
+    engine = Engine.from_runtimes(target, word_tokenizer(), tiny_runtime(0, noise=0.05),
+                                  SpecConfig(method, 4), heads_for(method, target))
     prompt = PROMPTS["no-match"]
     full = engine.generate(prompt, max_tokens=30).text
     words = full.split(" ")

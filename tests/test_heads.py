@@ -15,12 +15,13 @@ import sys
 
 import pytest
 import torch
+from conftest import random_heads as conftest_random_heads
 from conftest import tiny_runtime
 from test_lossless_sampling import ALPHA, PROMPT, RUNS, V, chi_square_pvalue, exact_joint
 from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
 
 from forerun.engine import speculative_decode
-from forerun.heads import HeadConfig, HeadError, Heads, TargetIO, load_heads, save_heads
+from forerun.heads import HeadError, Heads, TargetIO, load_heads, save_heads
 from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
@@ -147,16 +148,8 @@ def test_recursive_rejection_first_token_has_the_target_distribution():
 # --- heads: greedy equality, sampling, errors ---------------------------------------------
 
 def random_heads(kind: str, rt, vocab: int, seed: int = 0, scale: float = 0.3) -> Heads:
-    cfg = HeadConfig(kind, dim=rt.config.dim, vocab_size=vocab, num_heads=3,
-                     layers=(0, 1, -1) if kind == "eagle3" else (-1,), draft_vocab=0,
-                     n_heads=4, n_kv_heads=2, ffn_dim=48)
-    io = TargetIO(rt.model.embed.weight.detach(), rt.model.lm_weight().detach())
-    heads = Heads(cfg, torch.arange(vocab), io, context=rt.capacity)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_(0, scale)
-    return heads.eval()
+    assert vocab == rt.config.vocab_size
+    return conftest_random_heads(kind, rt, seed, scale)
 
 
 def decode(target, proposer, k, sampling, n, generator):

@@ -7,7 +7,7 @@ Measurement is tested against a fake clock (exact) and once on a real tiny runti
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_runtime
+from conftest import heads_for, tiny_config, tiny_runtime
 
 import forerun.profile as profile
 from forerun.engine import speculative_decode
@@ -144,7 +144,7 @@ def test_every_k_it_picks_is_lossless():
     for method in PROPOSERS:
         target = tiny_runtime(0)
         proposer = PROPOSERS[method](SpecConfig(method, 4), target,
-                                     tiny_runtime(0, noise=0.05))
+                                     tiny_runtime(0, noise=0.05), heads_for(method, target))
         steps = list(speculative_decode(target, proposer, CostModelK(4, MODERATE, 0.05), prompt,
                                         SamplingConfig(), max_new, (), make_generator(0)))
         assert [t for s in steps for t in s.tokens] == expected
