@@ -147,12 +147,22 @@ class _TreePass:
         return SEQ + int(on.argmax()) if on.any() else None
 
 
+def cpu_has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 class _Weights:
     """A loaded llama.cpp model, freed when the last runtime (fork) using it is gone."""
 
     def __init__(self, path: Path, gpu: bool):
         mparams = C.llama_model_default_params()
         mparams.n_gpu_layers = -1 if gpu else 0
+        # llama.cpp 0.3.36's AMX buffers (picked on CPUs with AMX) crash in
+        # ggml_backend_amx_mul_mat on the quantized types we load: keep the plain CPU kernels
+        mparams.use_extra_bufts = not cpu_has_amx()
         self.model = C.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}{_llama_errors()}")
