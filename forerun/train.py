@@ -79,7 +79,7 @@ class TrainConfig:
     steps: int = 600
     lr: float = 1e-3
     held_out: float = 0.1  # fraction of windows kept for agreement
-    ttt: int = 3  # eagle3: rolled-out steps (training-time test)
+    ttt: int = 3  # eagle, eagle3: rolled-out steps (training-time test)
     seed: int = 0
 
 
@@ -178,14 +178,16 @@ def predictions(heads: Heads, w: dict, cfg: TrainConfig
             out.append((heads.logits(z), slice(1 + i, T)))
         return out, torch.zeros(())
     feature = heads.feature({k: w[f"h{k}"] for k in hc.layers})  # [T, D]
-    out, steps, extra = [], (cfg.ttt if hc.kind == "eagle3" else 1), torch.zeros(())
+    # both EAGLEs roll out cfg.ttt steps on their own outputs: drafting past the first token
+    # feeds the head's output back in, and a head never trained on that input drafts nothing
+    out, steps, extra = [], cfg.ttt, torch.zeros(())
     for i in range(steps):  # step i: inputs at positions i.., its own outputs after step 0
         n = T - 1 - i
         k_cache, v_cache = heads.new_cache(n)
         o = heads.eagle_step(feature[:n], x[1 + i:], torch.arange(i, i + n), k_cache, v_cache,
                              0, causal(0, n))  # [n, D]
         out.append((heads.logits(o), slice(1 + i, T)))
-        if hc.kind == "eagle":  # EAGLE-1 also regresses the next feature
+        if hc.kind == "eagle" and i == 0:  # EAGLE-1 also regresses the next feature
             extra = 0.1 * F.smooth_l1_loss(o, w["h-1"][1:].float())
         feature = o[:-1]
     return out, extra
@@ -331,7 +333,7 @@ def add_train_parser(sub, add_model_args) -> None:
     t.add_argument("--steps", type=int, default=TrainConfig.steps, help="training windows")
     t.add_argument("--lr", type=float, default=TrainConfig.lr)
     t.add_argument("--ttt", type=int, default=TrainConfig.ttt,
-                   help="eagle3: rolled-out steps trained on the head's own predictions")
+                   help="eagle/eagle3: rolled-out steps trained on the head's own predictions")
     t.add_argument("--num-heads", type=int, default=4, help="medusa/hydra: heads (tokens deep)")
     t.add_argument("--ffn-dim", type=int, default=2048, help="eagle: MLP width of its layer")
     t.add_argument("--head-vocab", type=int, default=32768,
