@@ -181,11 +181,24 @@ def predictions(heads: Heads, w: dict, cfg: TrainConfig
     # both EAGLEs roll out cfg.ttt steps on their own outputs: drafting past the first token
     # feeds the head's output back in, and a head never trained on that input drafts nothing
     out, steps, extra = [], cfg.ttt, torch.zeros(())
-    for i in range(steps):  # step i: inputs at positions i.., its own outputs after step 0
-        n = T - 1 - i
-        k_cache, v_cache = heads.new_cache(n)
+    # Training-time test (EAGLE-3): step i's row t is the i-th draft from origin t, at position
+    # t + i; it attends, as at draft time, to the true-feature entries of positions 0..t (step
+    # 0's rows 0..t), to its own earlier drafts from t (steps 1..i-1, row t), and to itself.
+    k_cache, v_cache = heads.new_cache(sum(T - 1 - i for i in range(steps)))
+    offsets: list[int] = []
+    for i in range(steps):
+        n, start = T - 1 - i, sum(T - 1 - j for j in range(i))
+        if i == 0:
+            mask = causal(0, n)
+        else:
+            mask = torch.zeros(n, start + n, dtype=torch.bool)
+            mask[:, :T - 1] = torch.ones(n, T - 1, dtype=torch.bool).tril()
+            rows = torch.arange(n)
+            for offset in [*offsets[1:], start]:
+                mask[rows, offset + rows] = True
+        offsets.append(start)
         o = heads.eagle_step(feature[:n], x[1 + i:], torch.arange(i, i + n), k_cache, v_cache,
-                             0, causal(0, n))  # [n, D]
+                             start, mask)  # [n, D]
         out.append((heads.logits(o), slice(1 + i, T)))
         if hc.kind == "eagle" and i == 0:  # EAGLE-1 also regresses the next feature
             extra = 0.1 * F.smooth_l1_loss(o, w["h-1"][1:].float())
