@@ -184,10 +184,15 @@ def predictions(heads: Heads, w: dict, cfg: TrainConfig
     # Training-time test (EAGLE-3): step i's row t is the i-th draft from origin t, at position
     # t + i; it attends, as at draft time, to the true-feature entries of positions 0..t (step
     # 0's rows 0..t), to its own earlier drafts from t (steps 1..i-1, row t), and to itself.
-    k_cache, v_cache = heads.new_cache(sum(T - 1 - i for i in range(steps)))
     offsets: list[int] = []
+    k_prev = v_prev = None
     for i in range(steps):
         n, start = T - 1 - i, sum(T - 1 - j for j in range(i))
+        # a new cache per step, the earlier steps' entries copied in: autograd needs the
+        # tensors an earlier step attended to unchanged
+        k_cache, v_cache = heads.new_cache(start + n)
+        if k_prev is not None:
+            k_cache[:, :start], v_cache[:, :start] = k_prev[:, :start], v_prev[:, :start]
         if i == 0:
             mask = causal(0, n)
         else:
@@ -199,6 +204,7 @@ def predictions(heads: Heads, w: dict, cfg: TrainConfig
         offsets.append(start)
         o = heads.eagle_step(feature[:n], x[1 + i:], torch.arange(i, i + n), k_cache, v_cache,
                              start, mask)  # [n, D]
+        k_prev, v_prev = k_cache, v_cache
         out.append((heads.logits(o), slice(1 + i, T)))
         if hc.kind == "eagle" and i == 0:  # EAGLE-1 also regresses the next feature
             extra = 0.1 * F.smooth_l1_loss(o, w["h-1"][1:].float())
