@@ -30,7 +30,7 @@ def test_last_only_and_hidden_states():
     rt = tiny_runtime(2)
     out = rt.forward(torch.tensor([1, 2, 3]), last_only=True, hidden_layers=(0, -1))
     assert out.logits.shape == (1, 64)
-    assert out.hidden[0].shape == (3, 32) and out.hidden[-1].shape == (1, 32)
+    assert out.hidden[0].shape == out.hidden[-1].shape == (3, 32)  # every row, even last_only
 
 
 def test_tree_mask_with_explicit_positions():
