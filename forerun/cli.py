@@ -74,6 +74,20 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
                       heads=args.heads)
 
 
+def spec_config(args: argparse.Namespace) -> SpecConfig:
+    """The SpecConfig of the arguments add_spec_args defined."""
+    return SpecConfig(args.method, args.k, args.policy, args.ngram_min, args.ngram_max,
+                      args.tree, args.tree_topk)
+
+
+def load_engine(args: argparse.Namespace, err: Console) -> Engine:
+    """The Engine of the model and speculation arguments (the draft only when it drafts)."""
+    needs_draft = args.method == "draft"
+    with err.status(f"loading {args.target}" + (f" + {args.draft}" if needs_draft else "")):
+        return Engine(args.target, args.draft if needs_draft else None, spec=spec_config(args),
+                      load=load_config(args))
+
+
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--method", default="draft", choices=["none", *PROPOSERS],
@@ -161,12 +175,8 @@ def cmd_generate(args) -> int:
     if not prompt.strip():
         raise ValueError("empty prompt: pass it as an argument or on stdin")
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
-    spec = SpecConfig(args.method, args.k, args.policy, args.ngram_min, args.ngram_max,
-                      args.tree, args.tree_topk)
-    load = load_config(args)
-    needs_draft = args.method == "draft"
-    with err.status(f"loading {args.target}" + (f" + {args.draft}" if needs_draft else "")):
-        engine = Engine(args.target, args.draft if needs_draft else None, spec=spec, load=load)
+    engine = load_engine(args, err)
+    spec = engine.spec
     ids = engine.tokenizer.encode_prompt(prompt, raw=args.raw, system=args.system)
     kwargs = dict(sampling=sampling, max_tokens=args.max_tokens, stop=tuple(args.stop))
     if args.compare:

@@ -70,9 +70,7 @@ def add_serve_parser(sub, add_model_args, add_spec_args) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from forerun.api import Engine
-    from forerun.cli import load_config  # cli imports this module
-    from forerun.propose import SpecConfig
+    from forerun.cli import load_engine  # cli imports this module
     from forerun.serve.app import ServeConfig, create_app
     from forerun.serve.worker import LoadShedding, Worker
 
@@ -86,12 +84,8 @@ def cmd_serve(args) -> int:
         if value is not None and value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     err = Console(stderr=True)
-    spec = SpecConfig(args.method, args.k, args.policy, args.ngram_min, args.ngram_max,
-                      args.tree, args.tree_topk)
-    load = load_config(args)
-    needs_draft = args.method == "draft"
-    with err.status(f"loading {args.target}" + (f" + {args.draft}" if needs_draft else "")):
-        engine = Engine(args.target, args.draft if needs_draft else None, spec=spec, load=load)
+    engine = load_engine(args, err)
+    with err.status("starting the worker"):
         worker = Worker(engine, slots=args.max_concurrent, max_queue=args.max_queue,
                         shedding=LoadShedding(args.spec_reduce_above, args.spec_off_above))
     name = args.served_model_name or (Path(args.target).name if Path(args.target).exists()
