@@ -157,9 +157,6 @@ class Heads(nn.Module):
         shape = (cfg.n_kv_heads, capacity, cfg.dim // cfg.n_heads)
         return torch.zeros(shape), torch.zeros(shape)
 
-    def trainable(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items()}
-
 
 def save_heads(heads: Heads, directory: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write head.safetensors (weights in `dtype`, the reduced vocabulary's ids) and

@@ -15,13 +15,12 @@ import sys
 
 import pytest
 import torch
-from conftest import random_heads as conftest_random_heads
-from conftest import tiny_runtime
+from conftest import random_heads, tiny_runtime
 from test_lossless_sampling import ALPHA, PROMPT, RUNS, V, chi_square_pvalue, exact_joint
 from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
 
 from forerun.engine import speculative_decode
-from forerun.heads import HeadError, Heads, TargetIO, load_heads, save_heads
+from forerun.heads import HeadError, TargetIO, load_heads, save_heads
 from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
@@ -147,11 +146,6 @@ def test_recursive_rejection_first_token_has_the_target_distribution():
 
 # --- heads: greedy equality, sampling, errors ---------------------------------------------
 
-def random_heads(kind: str, rt, vocab: int, seed: int = 0, scale: float = 0.3) -> Heads:
-    assert vocab == rt.config.vocab_size
-    return conftest_random_heads(kind, rt, seed, scale)
-
-
 def decode(target, proposer, k, sampling, n, generator):
     steps = list(speculative_decode(target, proposer, FixedK(k), PROMPT_T, sampling, n, (),
                                     generator))
@@ -164,7 +158,7 @@ def test_greedy_head_speculation_equals_plain_greedy(kind, tree):
     reference = [t for s in plain_decode(tiny_runtime(0), PROMPT_T, GREEDY, 40, (),
                                          make_generator(0)) for t in s.tokens]
     target = tiny_runtime(0)
-    heads = random_heads(kind, target, 64)
+    heads = random_heads(kind, target)
     proposer = PROPOSERS[kind](SpecConfig(kind, 3, tree=tree, tree_topk=3), target, None, heads)
     out, steps = decode(target, proposer, 3, GREEDY, 40, make_generator(0))
     assert out == reference
@@ -217,7 +211,7 @@ def test_sampling_with_head_trees_matches_target_joint(kind, tree, sampling):
     def target():
         return rt_of(0, vocab=V, scale=0.4)
 
-    heads = random_heads(kind, target(), V, scale=0.5)
+    heads = random_heads(kind, target(), scale=0.5)
     counts, generator = {}, make_generator(2024)
     for _ in range(RUNS):
         t = target()
@@ -233,7 +227,7 @@ def test_head_methods_need_matching_heads():
     with pytest.raises(ValueError, match="needs trained heads"):
         PROPOSERS["eagle"](SpecConfig("eagle"), rt, None, None)
     with pytest.raises(ValueError, match="holds medusa heads"):
-        PROPOSERS["eagle"](SpecConfig("eagle"), rt, None, random_heads("medusa", rt, 64))
+        PROPOSERS["eagle"](SpecConfig("eagle"), rt, None, random_heads("medusa", rt))
 
 
 # --- files and training -------------------------------------------------------------------
@@ -242,7 +236,7 @@ def test_save_load_round_trip(tmp_path):
     rt = tiny_runtime(0)
     io = TargetIO(rt.model.embed.weight.detach(), rt.model.lm_weight().detach())
     for kind in KINDS:
-        heads = random_heads(kind, rt, 64)
+        heads = random_heads(kind, rt)
         save_heads(heads, tmp_path / kind, dtype=torch.float32)
         again = load_heads(tmp_path / kind, io, context=rt.capacity)
         assert again.cfg == heads.cfg
@@ -270,7 +264,7 @@ def tiny_shards(rt, layers, n: int, length: int = 48) -> list[dict]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_lowers_the_loss_and_raises_agreement(kind):
     rt = tiny_runtime(0, scale=8.0)  # sharp next-token distributions: learnable
-    heads = random_heads(kind, rt, 64, scale=0.05)
+    heads = random_heads(kind, rt, scale=0.05)
     shards = tiny_shards(rt, heads.cfg.layers, 4)
     # held_out = 0: agreement on the training windows (random targets do not generalise)
     report = train(heads, shards, TrainConfig(kind, steps=200, lr=1e-2, held_out=0),
