@@ -27,7 +27,7 @@ from forerun.models.catalog import (
 )
 from forerun.models.load import DEFAULT_CONTEXT, DTYPES, RUNTIMES
 from forerun.policy import POLICIES
-from forerun.propose import PROPOSERS, SpecConfig
+from forerun.propose import PROPOSERS, SpecConfig, tree_budget
 from forerun.sampling import SamplingConfig, SamplingError
 from forerun.serve.command import add_serve_parser
 from forerun.stopping import ContextError
@@ -100,9 +100,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "draft, -1 otherwise); cost (picks the k <= -k with the most expected "
                         "tokens/s from forward times measured at first use; k = 0, plain "
                         "decoding, where speculation does not pay) (default: %(default)s)")
-    g.add_argument("--tree", type=int, default=0, metavar="NODES",
+    g.add_argument("--tree", type=tree_budget, default=0, metavar="NODES|auto",
                    help="head methods: draft a token tree of this many nodes, k deep, grown by "
-                        "head confidence (EAGLE-2); 0 = a chain of k tokens (default: %(default)s)")
+                        "head confidence (EAGLE-2); auto = per step, the size with the most "
+                        "expected tokens/s under the target's verify-cost curve (measured at "
+                        "first use); 0 = a chain of k tokens (default: %(default)s)")
     g.add_argument("--tree-topk", type=int, default=4,
                    help="head methods: children kept per expanded tree node (default: %(default)s)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix to look up")

@@ -250,9 +250,11 @@ def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path |
           progress: bool = True) -> dict:
     """AdamW with a cosine schedule over cfg.steps windows; resumes from `checkpoint`."""
     torch.manual_seed(cfg.seed)
-    # held_out = 0: agreement on the training windows themselves (a capacity check)
-    split = max(1, int(len(shards) * cfg.held_out)) if cfg.held_out > 0 and len(shards) > 1 else 0
-    held, train_set = shards[:split] or shards, shards[split:] or shards
+    # held_out = 0: agreement on the training windows themselves (a capacity check); else
+    # every (1/held_out)-th window, so held-out text mixes chat and code as training does
+    every = round(1 / cfg.held_out) if cfg.held_out > 0 and len(shards) > 1 else 0
+    held = [w for i, w in enumerate(shards) if every and i % every == every - 1] or shards
+    train_set = [w for i, w in enumerate(shards) if not every or i % every != every - 1] or shards
     lookup = torch.full((heads.cfg.vocab_size,), -1, dtype=torch.long)
     lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.shape[0])
     params = [p for p in heads.parameters() if p.requires_grad]

@@ -18,6 +18,8 @@ parents = [-1, 0, 1, ..., K-2].
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -107,15 +109,16 @@ def grow_tree(
     depth: int,
     topk: int,
     beam: int,
-    budget: int,
+    budget: int | Callable[[list[float]], int],
 ) -> tuple[list[int], list[int]]:
     """EAGLE-2's dynamic draft tree: grow by drafter confidence, then rerank and prune.
 
     Each of the `depth` levels keeps the `topk` children of every expanded node; only the
     `beam` most likely nodes of a level (by path log-probability) are expanded. Of everything
     grown, the `budget` most likely paths' nodes are kept: a child is never likelier than its
-    parent, so the kept set is a tree. Returns (tokens, parents) in topological order. A chain
-    is depth = budget, topk = beam = 1.
+    parent, so the kept set is a tree. `budget` may be a function of the grown nodes' path
+    log-probabilities, best first, returning how many to keep (see `best_budget`). Returns
+    (tokens, parents) in topological order. A chain is depth = budget, topk = beam = 1.
     """
     found: list[Candidate] = []
 
@@ -136,7 +139,10 @@ def grow_tree(
         for row, i in enumerate(frontier):
             add(logprobs[row], i, found[i].score, d)
         level = list(range(first, len(found)))
-    keep = set(sorted(range(len(found)), key=lambda i: (-found[i].score, i))[:budget])
+    ranked = sorted(range(len(found)), key=lambda i: (-found[i].score, i))
+    if callable(budget):
+        budget = budget([found[i].score for i in ranked])
+    keep = set(ranked[:budget])
     for i in list(keep):  # ancestors of a kept node are kept (already so unless scores tie)
         while found[i].parent >= 0:
             i = found[i].parent
@@ -145,3 +151,23 @@ def grow_tree(
     index = {old: new for new, old in enumerate(order)}
     return ([found[i].token for i in order],
             [index[found[i].parent] if found[i].parent >= 0 else -1 for i in order])
+
+
+def best_budget(scores: list[float], verify: Callable[[float], float], scale: float = 1.0,
+                ) -> int:
+    """How many of the likeliest nodes a verify pass should carry, from its cost curve.
+
+    `scores`: path log-probabilities under the drafter, best first; exp(score) estimates the
+    chance the target accepts that node (EAGLE-2: draft confidence tracks acceptance), times
+    `scale`, a measured correction. Keeping the n best nodes then yields
+    E[tokens] = 1 + scale * (exp(s_1) + ... + exp(s_n)) per pass of n + 1 tokens costing
+    verify(n + 1) seconds; returns the n (0 = plain decoding) with the most tokens per second.
+    A steep curve (a CPU) keeps trees small; a flat one (a GPU) lets them grow.
+    """
+    best_n, best_rate, expected = 0, 1.0 / verify(1), 1.0
+    for n, score in enumerate(scores, start=1):
+        expected += scale * math.exp(score)
+        rate = expected / verify(n + 1)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return best_n

@@ -24,10 +24,11 @@ from forerun.heads import HeadError, TargetIO, load_heads, save_heads
 from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
+from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer
 from forerun.reference import plain_decode
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.train import TrainConfig, teacher, train
-from forerun.tree import TokenTree, grow_tree
+from forerun.tree import TokenTree, best_budget, grow_tree
 from forerun.verify import recursive_rejection_sample
 
 GREEDY = SamplingConfig(temperature=0)
@@ -152,8 +153,37 @@ def decode(target, proposer, k, sampling, n, generator):
     return [t for s in steps for t in s.tokens], steps
 
 
+def test_best_budget_follows_the_verify_curve():
+    scores = torch.tensor([0.9, 0.5, 0.2, 0.05]).log().tolist()
+    assert best_budget(scores, lambda n: float(n)) == 0  # a pass per token: never pays
+    # 1.9/1.1, 2.4/1.2 = 2.6/1.3 (ties keep the smaller tree), 2.65/1.4
+    assert best_budget(scores, lambda n: 1 + 0.1 * (n - 1)) == 2
+    assert best_budget(scores, lambda n: 1.0) == 4  # a flat curve (a GPU): all of them
+    # a less trusted drafter: 1.45/1.3 beats 1.7/1.6
+    assert best_budget(scores, lambda n: 1 + 0.3 * (n - 1), scale=0.5) == 1
+    assert best_budget([], lambda n: 1.0) == 0
+
+
+def test_auto_tree_budget_is_cut_by_the_curve_and_calibrated():
+    target = tiny_runtime(0)
+    heads = random_heads("eagle", target)
+    flat = HeadProposer(heads, target.capacity, AUTO_TREE, 3, verify=lambda n: 1.0)
+    steep = HeadProposer(heads, target.capacity, AUTO_TREE, 3, verify=lambda n: float(n))
+    sizes = []
+    for proposer in (flat, steep):
+        proposer.prefill(PROMPT_T)
+        target.truncate(0)
+        proposer.feed(target.forward(torch.tensor(PROMPT_T), hidden_layers=(-1,)).hidden)
+        draft = proposer.propose([*PROMPT_T, 1], 3, GREEDY, make_generator(0))
+        sizes.append(len(draft.tokens))
+        proposer.commit(len(PROMPT_T))  # nothing accepted
+    assert sizes[0] > sizes[1] == 0
+    assert flat.scale < 1.0 == steep.scale  # a confidence that failed is scaled down
+    assert sizes[0] <= AUTO_TREE_MAX
+
+
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tree", [0, 7])
+@pytest.mark.parametrize("tree", [0, 7, AUTO_TREE])
 def test_greedy_head_speculation_equals_plain_greedy(kind, tree):
     reference = [t for s in plain_decode(tiny_runtime(0), PROMPT_T, GREEDY, 40, (),
                                          make_generator(0)) for t in s.tokens]

@@ -28,7 +28,7 @@ from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
 from forerun.bench.runner import BenchConfig, run_bench, runs_per_prompt
 from forerun.bench.workloads import BUILTIN, Prompt, sample_workloads
 from forerun.models.load import open_model, resolve_dtype
-from forerun.propose import SpecConfig
+from forerun.propose import SpecConfig, tree_budget
 
 CURVE_SIZES = tuple(range(1, 33))
 CURVE_CONTEXT = 200
@@ -55,8 +55,9 @@ def add_bench_parser(sub, add_model_args) -> None:
     b.add_argument("--policies", default="fixed",
                    help="comma-separated draft length policies (fixed, adaptive, cost)")
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt at most")
-    b.add_argument("--tree", type=int, default=0, metavar="NODES",
-                   help="head methods (with --heads): draft trees of this many nodes; 0 = chains")
+    b.add_argument("--tree", type=tree_budget, default=0, metavar="NODES|auto",
+                   help="head methods (with --heads): draft trees of this many nodes, or auto "
+                        "(sized per step from the verify-cost curve); 0 = chains")
     b.add_argument("--tree-topk", type=int, default=4, help="head methods: children per node")
     b.add_argument("--peers", nargs="?", const=",".join(PEER_NAMES), default="",
                    help=f"also run peers on the same prompts ({','.join(PEER_NAMES)}); "

@@ -20,7 +20,7 @@ from forerun.bench.workloads import Prompt
 from forerun.heads import KINDS as HEAD_KINDS
 from forerun.metrics import GenerationStats
 from forerun.policy import POLICIES
-from forerun.propose import SpecConfig
+from forerun.propose import AUTO_TREE, SpecConfig
 from forerun.sampling import SamplingConfig
 
 BASELINE = "forerun plain"
@@ -45,7 +45,8 @@ class BenchConfig:
             raise ValueError(f"unknown policy {sorted(unknown)}; choose from {list(POLICIES)}")
         def spec(m: str, k: int, p: str) -> tuple[str, SpecConfig]:
             tree = self.tree if m in HEAD_KINDS else 0
-            label = f"{m} k={k}" + (f" tree={tree}" if tree else "") + (
+            shown = "auto" if tree == AUTO_TREE else tree
+            label = f"{m} k={k}" + (f" tree={shown}" if tree else "") + (
                 "" if p == "fixed" else f" {p}")
             return label, SpecConfig(m, k, p, tree=tree, tree_topk=self.tree_topk)
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from forerun.profile import calibrated_curve
 from forerun.propose.base import Draft, Proposer
 from forerun.propose.draft_model import DraftModelProposer
-from forerun.propose.heads import HeadProposer
+from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer
 from forerun.propose.ngram import NgramProposer
 from forerun.runtime.base import Runtime
 
@@ -23,7 +24,8 @@ class SpecConfig:
     policy: str = "fixed"  # a key of forerun.policy.POLICIES
     ngram_min: int = 1
     ngram_max: int = 4
-    tree: int = 0  # head methods: draft-tree node budget (0 = a chain of k tokens)
+    tree: int = 0  # head methods: draft-tree node budget (0 = a chain of k, AUTO_TREE = from
+    # the target's verify-cost curve, measured at first use)
     tree_topk: int = 4  # head methods: children kept per expanded tree node
 
     def __post_init__(self):
@@ -31,9 +33,18 @@ class SpecConfig:
             raise ValueError(f"unknown method {self.method!r}; choose none, {', '.join(PROPOSERS)}")
         if self.k < 0:
             raise ValueError(f"k must be >= 0, got {self.k}")
-        if self.tree < 0 or self.tree_topk < 1:
-            raise ValueError(f"tree must be >= 0 and tree_topk >= 1, got {self.tree}, "
-                             f"{self.tree_topk}")
+        if self.tree < AUTO_TREE or self.tree_topk < 1:
+            raise ValueError(f"tree must be >= 0 (or AUTO_TREE = {AUTO_TREE}) and tree_topk "
+                             f">= 1, got {self.tree}, {self.tree_topk}")
+
+
+def tree_budget(text: str) -> int:
+    """A --tree value: a node count (0 = chains), or `auto` (AUTO_TREE)."""
+    if text == "auto":
+        return AUTO_TREE
+    if not text.isdigit():
+        raise ValueError(f"expected a node count or auto, got {text!r}")
+    return int(text)
 
 
 def _draft(spec: SpecConfig, target: Runtime, draft: Runtime | None, heads=None) -> Proposer:
@@ -53,7 +64,8 @@ def _heads(spec: SpecConfig, target: Runtime, draft: Runtime | None, heads=None)
     if heads.cfg.kind != spec.method:
         raise ValueError(f"--heads holds {heads.cfg.kind} heads, not {spec.method}; use "
                          f"--method {heads.cfg.kind}")
-    return HeadProposer(heads, target.capacity, spec.tree, spec.tree_topk)
+    verify = calibrated_curve(target, AUTO_TREE_MAX + 1) if spec.tree == AUTO_TREE else None
+    return HeadProposer(heads, target.capacity, spec.tree, spec.tree_topk, verify)
 
 
 # method -> factory(spec, target, draft runtime or None, heads or None)
@@ -66,4 +78,4 @@ PROPOSERS: dict[str, Callable[..., Proposer]] = {
     "eagle3": _heads,
 }
 
-__all__ = ["PROPOSERS", "Draft", "Proposer", "SpecConfig"]
+__all__ = ["AUTO_TREE", "PROPOSERS", "Draft", "Proposer", "SpecConfig", "tree_budget"]

@@ -10,27 +10,45 @@ target's features of every token in the target's cache (all tokens but the pendi
   are final, the slots after them hold the last draft tree's nodes and are overwritten.
 Head drafts are deterministic (top-k choices, q = None), which the verifier treats as one-hot
 proposals: lossless under sampling too.
+With tree = AUTO_TREE the node budget is chosen per step from the target's verify-cost curve
+(`forerun.tree.best_budget`): the tree is grown to AUTO_TREE_MAX nodes, then cut to the size with
+the most expected tokens per second, the head's path confidences scaled by how well they have
+predicted acceptance so far in this sequence.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from forerun.heads import Heads
 from forerun.propose.base import Draft
-from forerun.tree import Candidate, grow_tree
+from forerun.tree import Candidate, best_budget, grow_tree
 
 TREE_SLACK = 256  # EAGLE cache slots past the context for a draft tree's nodes
+AUTO_TREE = -1  # SpecConfig.tree: choose each step's node budget from the verify-cost curve
+AUTO_TREE_MAX = 32  # nodes grown before an automatic budget cuts the tree
+# The confidence scale: observed accepted tokens / predicted, with a prior of CALIBRATION_PRIOR
+# predicted tokens at scale 1, discounted by e^-1 per CALIBRATION_MEMORY newer predictions.
+CALIBRATION_PRIOR = 2.0
+CALIBRATION_MEMORY = 32.0
 
 
 class HeadProposer:
     runtime = None  # a head step costs a few % of a target pass: treated as free to draft
 
-    def __init__(self, heads: Heads, capacity: int, tree: int = 0, topk: int = 4):
-        """`tree`: node budget (0 = a chain of k); `topk`: children per expanded node."""
+    def __init__(self, heads: Heads, capacity: int, tree: int = 0, topk: int = 4,
+                 verify=None):
+        """`tree`: node budget (0 = a chain of k, AUTO_TREE = from `verify`, the target's
+        seconds per forward of n tokens); `topk`: children per expanded node."""
+        if tree == AUTO_TREE and verify is None:
+            raise ValueError("an automatic tree budget needs the target's verify-cost curve")
         self.heads, self.cfg = heads, heads.cfg
         self.name, self.hidden_layers = self.cfg.kind, self.cfg.layers
-        self.tree, self.topk = tree, topk
+        self.tree, self.topk, self.verify = tree, topk, verify
+        self.predicted = self.observed = 0.0  # discounted, for the confidence scale
+        self._pending: tuple[int, float] | None = None  # (len(tokens), predicted) of a draft
         self.eagle = self.cfg.kind in ("eagle", "eagle3")
         if self.eagle:
             self.k_cache, self.v_cache = heads.new_cache(capacity + TREE_SLACK)
@@ -49,6 +67,17 @@ class HeadProposer:
 
     def commit(self, num_final: int) -> None:
         self.committed = min(self.committed, num_final)
+        if self._pending is not None:  # an automatic budget's draft: accepted vs predicted
+            length, predicted = self._pending
+            keep = math.exp(-predicted / CALIBRATION_MEMORY)
+            self.observed = keep * self.observed + max(0, num_final - length)
+            self.predicted = keep * self.predicted + predicted
+            self._pending = None
+
+    @property
+    def scale(self) -> float:
+        """Accepted tokens per unit of predicted confidence, so far (1 before any evidence)."""
+        return (self.observed + CALIBRATION_PRIOR) / (self.predicted + CALIBRATION_PRIOR)
 
     @torch.inference_mode()
     def propose(self, tokens, k, sampling, generator) -> Draft:
@@ -64,9 +93,22 @@ class HeadProposer:
         k = min(k, self.cfg.num_heads) if not self.eagle else k
         budget = self.tree or k
         topk = self.topk if self.tree else 1
+        if self.tree == AUTO_TREE:
+            budget = self._auto_budget(len(tokens))
         ids, parents = grow_tree(root, expand, depth=k, topk=topk, beam=topk, budget=budget)
         draft = self.heads.vocab_ids[torch.tensor(ids, dtype=torch.long)]  # [N] target ids
         return Draft(draft, None, torch.tensor(parents) if self.tree else None)
+
+    def _auto_budget(self, length: int):
+        """grow_tree's budget: the verify curve's best cut of the AUTO_TREE_MAX likeliest."""
+        scale = self.scale
+
+        def choose(scores: list[float]) -> int:
+            n = best_budget(scores[:AUTO_TREE_MAX], self.verify, scale)
+            self._pending = (length, sum(math.exp(s) for s in scores[:n]))
+            return n
+
+        return choose
 
     # --- each kind: the root's log-probabilities and how to expand a level -------------------
 
