@@ -13,6 +13,7 @@ top-1/top-5 agreement with the target's argmax on held-out windows.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -69,13 +70,70 @@ CHAT_PROMPTS = (
 )
 
 
+EXPLAIN = ("recursion", "closures", "virtual memory", "garbage collection",
+           "public-key cryptography", "how DNS resolves a name", "load balancing",
+           "database indexes", "the JavaScript event loop", "REST versus GraphQL", "overfitting",
+           "attention in transformers", "photosynthesis", "inflation", "compound interest",
+           "the water cycle", "black holes", "how vaccines work", "big-O notation", "mutexes",
+           "consistent hashing", "Bloom filters", "unit versus integration tests", "git rebase")
+TASKS = (("Python", "merges two sorted lists"), ("Python", "parses a CSV line with quotes"),
+         ("Python", "returns the n-th prime"), ("Python", "flattens a nested list"),
+         ("Python", "validates an IPv4 address"), ("Python", "computes a moving average"),
+         ("Python", "groups words by their anagram"), ("Python", "retries a call with backoff"),
+         ("JavaScript", "deep-clones an object"), ("JavaScript", "formats a date as YYYY-MM-DD"),
+         ("TypeScript", "narrows a union type with a type guard"), ("Go", "reads a file line by "
+         "line"), ("Rust", "counts word frequencies"), ("C", "reverses a string in place"),
+         ("Java", "checks balanced parentheses"), ("SQL", "finds duplicate emails in a table"),
+         ("Python", "implements an LRU cache"), ("Python", "converts Roman numerals to integers"),
+         ("bash", "renames all .txt files to .md"), ("Python", "downloads a URL with a timeout"))
+SENTENCES = ("Where is the nearest train station?", "The meeting has been moved to Thursday.",
+             "Please keep the door closed.", "I would like a cup of coffee with milk.",
+             "Our team released a new version of the library yesterday.")
+LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese", "Chinese")
+EDITS = ("add type hints and a docstring", "make it easier to read",
+         "rename the variables to be more descriptive", "add input validation",
+         "rewrite it without changing its behaviour, in modern Python")
+
+
+def chat_prompts() -> list[str]:
+    """CHAT_PROMPTS, then generated ones in a fixed order: explanations, code, translations,
+    arithmetic, summaries of the standard library's module docstrings and edits of its short
+    functions (as a user would paste them)."""
+    import ast
+
+    out = list(CHAT_PROMPTS)
+    out += [f"Explain {topic} in a few sentences." for topic in EXPLAIN]
+    out += [f"Write a {lang} function that {task}." for lang, task in TASKS]
+    out += [f"Translate into {LANGUAGES[i % len(LANGUAGES)]}: {s}"
+            for i, s in enumerate(SENTENCES * 2)]
+    out += [f"A shop sells {a} pens for ${b}. How much do {c} pens cost? Show the steps."
+            for a, b, c in ((3, 4, 9), (5, 12, 7), (4, 10, 22), (6, 15, 10))]
+    docs, functions = [], []
+    for text in code_corpus():
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        doc = ast.get_docstring(tree)
+        if doc and 200 <= len(doc) <= 1200:
+            docs.append(doc)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and 4 <= node.end_lineno - node.lineno <= 14:
+                functions.append(ast.get_source_segment(text, node))
+    out += [f"Summarize this documentation in two sentences:\n\n{d}" for d in docs[::3][:16]]
+    out += [f"Please {EDITS[i % len(EDITS)]} for this function:\n\n```python\n{f}\n```"
+            for i, f in enumerate(functions[::17][:32])]
+    return out
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     kind: str
     max_tokens: int = 20000  # data budget: target tokens collected
     seq_len: int = 256  # teacher-forced window
-    chat: int = 16  # CHAT_PROMPTS answered by the target (self-distillation)
+    chat: int = 16  # chat_prompts() answered by the target (self-distillation)
     chat_tokens: int = 96  # reply length per chat prompt
+    replies: str = "torch"  # the runtime generating the chat replies (the fastest: llama.cpp)
     steps: int = 600
     lr: float = 1e-3
     held_out: float = 0.1  # fraction of windows kept for agreement
@@ -94,15 +152,17 @@ def code_corpus() -> Iterator[str]:
             continue
 
 
-def windows(engine, cfg: TrainConfig, skip=lambda i: False) -> Iterator[list[int] | None]:
-    """Token windows of cfg.seq_len: the target's chat replies first, then code; None for a
-    chat window `skip(i)` says is already collected (its reply is not generated again)."""
-    tok = engine.tokenizer
-    for i, question in enumerate(CHAT_PROMPTS[:cfg.chat]):
+def windows(engine, cfg: TrainConfig, skip=lambda i: False, replier=None,
+            ) -> Iterator[list[int] | None]:
+    """Token windows of cfg.seq_len: the target's chat replies first (greedy, generated by
+    `replier`, default `engine`), then code; None for a chat window `skip(i)` says is already
+    collected (its reply is not generated again)."""
+    tok, replier = engine.tokenizer, replier or engine
+    for i, question in enumerate(chat_prompts()[:cfg.chat]):
         if skip(i):
             yield None
             continue
-        done = engine.generate(question, max_tokens=cfg.chat_tokens)
+        done = replier.generate(question, max_tokens=cfg.chat_tokens)
         yield (tok.encode_prompt(question) + done.token_ids)[-cfg.seq_len:]
     buffer: list[int] = []
     for text in code_corpus():
@@ -125,7 +185,8 @@ def teacher(runtime: Runtime, ids: list[int], layers: tuple[int, ...]) -> dict[s
     return shard
 
 
-def collect(engine, cfg: TrainConfig, layers: tuple[int, ...], data_dir: Path) -> list[Path]:
+def collect(engine, cfg: TrainConfig, layers: tuple[int, ...], data_dir: Path,
+            replier=None) -> list[Path]:
     """Shards data_dir/window-NNNNN.safetensors, one per window, up to cfg.max_tokens tokens;
     windows already there are kept (resumable): the corpus order is fixed."""
     from safetensors.torch import save_file
@@ -133,14 +194,34 @@ def collect(engine, cfg: TrainConfig, layers: tuple[int, ...], data_dir: Path) -
     data_dir.mkdir(parents=True, exist_ok=True)
     total = max(1, cfg.max_tokens // cfg.seq_len)
     paths = [data_dir / f"window-{i:05d}.safetensors" for i in range(total)]
-    with tqdm(total=total, desc="collect", unit="window") as bar:
-        for i, ids in enumerate(windows(engine, cfg, skip=lambda i: paths[i].exists())):
+    missing = [p for p in paths if not p.exists()]
+    with tqdm(total=total, initial=total - len(missing), desc="collect", unit="window") as bar:
+        if not missing:
+            return paths
+        chunks = windows(engine, cfg, skip=lambda i: paths[i].exists(), replier=replier)
+        for i, ids in enumerate(chunks):
             if i >= total:
                 break
             if ids is not None and not paths[i].exists():
                 save_file(teacher(engine.target, ids, layers), str(paths[i]))
-            bar.update()
+                bar.update()
     return [p for p in paths if p.exists()]
+
+
+def corpus_vocab(shards: list[dict], size: int, fallback: list[int], special: list[int],
+                 ) -> torch.Tensor:
+    """The heads' reduced vocabulary (FR-Spec / EAGLE-3): the `size` ids most frequent in the
+    training data (its tokens and the target's argmax at every position), then, where the data
+    has fewer distinct ids, `fallback`'s order; `special` ids always. Sorted."""
+    counts = torch.bincount(torch.cat([torch.zeros(0, dtype=torch.long), *(
+        ids for w in shards for ids in (w["tokens"].long(), w["top_ids"][:, 0].long()))]))
+    seen = [int(i) for i in counts.argsort(descending=True, stable=True) if counts[i] > 0]
+    chosen = dict.fromkeys(special)
+    for i in [*seen, *fallback]:
+        if len(chosen) >= max(size, len(special)):
+            break
+        chosen.setdefault(i)
+    return torch.tensor(sorted(chosen))
 
 
 def load_shards(paths: list[Path]) -> list[dict[str, torch.Tensor]]:
@@ -297,7 +378,7 @@ def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path |
 def new_heads(kind: str, io: TargetIO, vocab_ids: torch.Tensor, target_name: str,
               n_layers: int, **overrides) -> Heads:
     D = io.embed.shape[1]
-    layers = (n_layers // 4, n_layers // 2, -1) if kind == "eagle3" else (-1,)
+    layers = head_layers(kind, n_layers)
     cfg = HeadConfig(kind, D, io.embed.shape[0], target_name, layers=layers,
                      draft_vocab=vocab_ids.shape[0], **overrides)
     torch.manual_seed(0)
@@ -308,21 +389,28 @@ def new_heads(kind: str, io: TargetIO, vocab_ids: torch.Tensor, target_name: str
     return heads
 
 
+def head_layers(kind: str, n_layers: int) -> tuple[int, ...]:
+    """The target layers a kind reads: EAGLE-3 fuses low, middle and final features."""
+    return (n_layers // 4, n_layers // 2, -1) if kind == "eagle3" else (-1,)
+
+
 def run(engine, target_name: str, cfg: TrainConfig, out: Path, data_dir: Path,
-        draft_vocab: int, **head_overrides) -> dict:
+        draft_vocab: int, replier=None, **head_overrides) -> dict:
     """Collect (or reuse) the data, train, save; returns the report."""
     io = TargetIO(*(t.detach() for t in (engine.target.model.embed.weight,
                                           engine.target.model.lm_weight())))
     V = io.embed.shape[0]
-    ids = torch.tensor(engine.tokenizer.frequent_ids(draft_vocab) if draft_vocab else range(V))
-    ids = ids[ids < V]
-    heads = new_heads(cfg.kind, io, ids, target_name, engine.target.config.n_layers,
-                      **head_overrides)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    paths = collect(engine, cfg, heads.cfg.layers, data_dir)
+    layers = head_layers(cfg.kind, engine.target.config.n_layers)
+    paths = collect(engine, cfg, layers, data_dir, replier)
     collect_s = time.perf_counter() - t0
     shards = load_shards(paths)
+    tok = engine.tokenizer
+    ids = (corpus_vocab(shards, draft_vocab, tok.frequent_ids(draft_vocab), tok.frequent_ids(1))
+           if draft_vocab else torch.arange(V))
+    heads = new_heads(cfg.kind, io, ids[ids < V], target_name, engine.target.config.n_layers,
+                      **head_overrides)
     report = train(heads, shards, cfg, checkpoint=out / "checkpoint.pt")
     report |= {"collect_s": round(collect_s, 1), "data_tokens": sum(
         int(s["tokens"].shape[0]) for s in shards), "config": asdict(cfg)}
@@ -349,8 +437,15 @@ def add_train_parser(sub, add_model_args) -> None:
                    help="data budget: target tokens to collect")
     t.add_argument("--seq-len", type=int, default=TrainConfig.seq_len, help="window length")
     t.add_argument("--chat", type=int, default=TrainConfig.chat,
-                   help=f"chat questions the target answers first (at most {len(CHAT_PROMPTS)})")
-    t.add_argument("--chat-tokens", type=int, default=TrainConfig.chat_tokens)
+                   help=f"chat questions the target answers first (at most "
+                        f"{len(chat_prompts())}: {len(CHAT_PROMPTS)} written, the rest generated "
+                        f"from templates and the standard library)")
+    t.add_argument("--chat-tokens", type=int, default=TrainConfig.chat_tokens,
+                   help="greedy reply length per chat question")
+    t.add_argument("--replies", choices=["auto", "torch", "llama.cpp"], default="auto",
+                   help="runtime that generates the chat replies (features and distributions "
+                        "always come from the torch runtime); auto = llama.cpp for a GGUF "
+                        "target when installed (several times faster here)")
     t.add_argument("--steps", type=int, default=TrainConfig.steps, help="training windows")
     t.add_argument("--lr", type=float, default=TrainConfig.lr)
     t.add_argument("--ttt", type=int, default=TrainConfig.ttt,
@@ -372,23 +467,31 @@ def cmd_train(args) -> int:
     from forerun.api import Engine
     from forerun.cli import load_config
     from forerun.models.catalog import ModelError, forerun_home
+    from forerun.models.load import open_model
     from forerun.propose import SpecConfig
 
     load = load_config(args)
     if load.runtime != "torch":
         raise ModelError("forerun train collects the target's features with the torch runtime; "
                          "drop --runtime (the heads then run on either runtime)")
-    if not 0 <= args.chat <= len(CHAT_PROMPTS):
-        raise ValueError(f"--chat must be 0..{len(CHAT_PROMPTS)}")
+    if not 0 <= args.chat <= len(chat_prompts()):
+        raise ValueError(f"--chat must be 0..{len(chat_prompts())}")
+    engine = Engine(args.target, None, spec=SpecConfig("none"), load=replace(load, heads=None))
+    replies = args.replies
+    if replies == "auto":
+        gguf = open_model(args.target).kind == "gguf"
+        replies = "llama.cpp" if gguf and importlib.util.find_spec("llama_cpp") else "torch"
+    replier = None if replies == "torch" else Engine(
+        args.target, None, spec=SpecConfig("none"),
+        load=replace(load, heads=None, runtime=replies))
     cfg = TrainConfig(args.kind, args.max_tokens, args.seq_len, args.chat, args.chat_tokens,
-                      args.steps, args.lr, ttt=args.ttt)
+                      replies, args.steps, args.lr, ttt=args.ttt)
     if cfg.max_tokens < cfg.seq_len or cfg.steps < 1:
         raise ValueError("need --max-tokens >= --seq-len and --steps >= 1")
-    engine = Engine(args.target, None, spec=SpecConfig("none"), load=replace(load, heads=None))
     name = Path(str(args.target)).name.removesuffix(".gguf")
-    n_layers = engine.target.config.n_layers
-    layers = (n_layers // 4, n_layers // 2, -1) if args.kind == "eagle3" else (-1,)
-    key = f"{name}-{load.dtype}-L{'_'.join(map(str, layers))}-T{cfg.seq_len}"
+    layers = head_layers(args.kind, engine.target.config.n_layers)
+    key = (f"{name}-{load.dtype}-L{'_'.join(map(str, layers))}-T{cfg.seq_len}"
+           f"-C{cfg.chat}x{cfg.chat_tokens}")
     data = Path(args.data) if args.data else forerun_home() / "train-data" / key
     out = Path(args.out) if args.out else forerun_home() / "heads" / name / args.kind
     overrides = {"num_heads": args.num_heads, "ffn_dim": args.ffn_dim}
@@ -396,7 +499,7 @@ def cmd_train(args) -> int:
         c = engine.target.config
         overrides |= {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
                       "rope_theta": c.rope_theta, "norm_eps": c.norm_eps}
-    report = run(engine, name, cfg, out, data, args.head_vocab, **overrides)
+    report = run(engine, name, cfg, out, data, args.head_vocab, replier, **overrides)
     report["out"] = str(out)
     if not args.json:
         after = report["after"]

@@ -19,6 +19,7 @@ from conftest import random_heads, tiny_runtime
 from test_lossless_sampling import ALPHA, PROMPT, RUNS, V, chi_square_pvalue, exact_joint
 from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
 
+from forerun.bench.workloads import BUILTIN, read_workload
 from forerun.engine import speculative_decode
 from forerun.heads import HeadError, TargetIO, load_heads, save_heads
 from forerun.policy import FixedK
@@ -27,7 +28,7 @@ from forerun.propose.base import Draft
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer
 from forerun.reference import plain_decode
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
-from forerun.train import TrainConfig, teacher, train
+from forerun.train import TrainConfig, chat_prompts, corpus_vocab, teacher, train
 from forerun.tree import TokenTree, best_budget, grow_tree
 from forerun.verify import recursive_rejection_sample
 
@@ -305,6 +306,21 @@ def test_training_lowers_the_loss_and_raises_agreement(kind):
     assert all(t5 >= t1 for t1, t5 in zip(after["top1"], after["top5"], strict=True))
 
 
+def test_corpus_vocab_takes_the_data_s_most_frequent_ids_then_the_fallback():
+    w = {"tokens": torch.tensor([5, 5, 5, 9, 9, 2]), "top_ids": torch.tensor([[9], [7], [7],
+                                                                            [7], [7], [1]])}
+    # counts: 7 x4, 5 x3, 9 x3, 2, 1 once; special 0 always
+    assert corpus_vocab([w], 3, [0, 1, 2, 3], [0]).tolist() == [0, 5, 7]
+    assert corpus_vocab([w], 8, [0, 1, 2, 3, 4], [0]).tolist() == [0, 1, 2, 3, 4, 5, 7, 9]
+
+
+def test_chat_prompts_are_not_benchmark_rows():
+    prompts = chat_prompts()
+    assert len(prompts) == len(set(prompts)) > 100 and prompts == chat_prompts()
+    rows = {p.text for source in BUILTIN for p in read_workload(source)}
+    assert not rows & set(prompts)
+
+
 def test_train_command_then_generate_with_the_heads(tmp_path):
     """`forerun train` on a tiny HF directory, then `forerun generate --heads`: identical."""
     target = tmp_path / "target"
@@ -323,7 +339,7 @@ def test_train_command_then_generate_with_the_heads(tmp_path):
     assert report["data_tokens"] == 96 and "top1" in report["after"]
     assert (tmp_path / "home" / "heads" / "target" / "eagle" / "head.safetensors").exists()
     r = subprocess.run([*base, "generate", *common, "--heads", out, "--method", "eagle",
-                        "--tree", "6", "--max-tokens", "12", "--raw", "--compare", "--json",
+                        "--tree", "auto", "--max-tokens", "12", "--raw", "--compare", "--json",
                         "hello"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["identical"] is True

@@ -54,6 +54,7 @@ from llama_cpp import llama_cpp as C
 
 from forerun.runtime.base import ForwardOutput, ModelConfig
 
+KV_F32 = os.environ.get("FORERUN_KV_F32", "1") == "1"
 DEFAULT_BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch); longer input is chunked
 SEQ = 0  # the committed sequence; a tree pass's leaf j is sequence SEQ + j
 # leaves (sequences) a tree pass may have: the context's n_seq_max. Verify trees are far smaller
@@ -205,6 +206,7 @@ class LlamaCppRuntime:
         # when its output buffer, by default min(n_batch, n_ctx) rows, is smaller
         cparams.n_outputs_max = max(min(self.batch_size, self._capacity), MAX_TREE_LEAVES)
         cparams.n_threads = cparams.n_threads_batch = self._threads
+        cparams.type_k = cparams.type_v = C.GGML_TYPE_F32 if KV_F32 else C.GGML_TYPE_F16
         self._ctx = C.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise RuntimeError(f"llama.cpp could not create a context of {self._capacity} "
