@@ -139,6 +139,7 @@ class TrainConfig:
     held_out: float = 0.1  # fraction of windows kept for agreement
     ttt: int = 3  # eagle, eagle3: rolled-out steps (training-time test)
     seed: int = 0
+    bf16: bool = False  # training matmuls in bfloat16 (autocast; weights and Adam stay fp32)
 
 
 # --- data ---------------------------------------------------------------------------------
@@ -357,7 +358,8 @@ def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path |
                disable=not progress)
     while step < cfg.steps:
         w = train_set[int(order[step % len(train_set)])]
-        loss, _ = window_loss(heads, w, cfg, lookup)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            loss, _ = window_loss(heads, w, cfg, lookup)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -458,6 +460,9 @@ def add_train_parser(sub, add_model_args) -> None:
                    "in the model cache: FORERUN_HOME/heads/TARGET/KIND)")
     t.add_argument("--data", default=None, help="shard folder (default: FORERUN_HOME/"
                    "train-data/...); reused and extended when it exists")
+    t.add_argument("--train-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="precision of the training matmuls (autocast; weights and optimizer stay "
+                        "float32); auto = bfloat16 where the CPU has fast bf16 matmuls")
     t.add_argument("--json", action="store_true", help="print only the JSON report")
     add_model_args(t)
     t.set_defaults(func=cmd_train)
@@ -467,7 +472,7 @@ def cmd_train(args) -> int:
     from forerun.api import Engine
     from forerun.cli import load_config
     from forerun.models.catalog import ModelError, forerun_home
-    from forerun.models.load import open_model
+    from forerun.models.load import open_model, resolve_dtype
     from forerun.propose import SpecConfig
 
     load = load_config(args)
@@ -484,8 +489,9 @@ def cmd_train(args) -> int:
     replier = None if replies == "torch" else Engine(
         args.target, None, spec=SpecConfig("none"),
         load=replace(load, heads=None, runtime=replies))
+    bf16 = resolve_dtype(args.train_dtype, "cpu") == "bfloat16"
     cfg = TrainConfig(args.kind, args.max_tokens, args.seq_len, args.chat, args.chat_tokens,
-                      replies, args.steps, args.lr, ttt=args.ttt)
+                      replies, args.steps, args.lr, ttt=args.ttt, bf16=bf16)
     if cfg.max_tokens < cfg.seq_len or cfg.steps < 1:
         raise ValueError("need --max-tokens >= --seq-len and --steps >= 1")
     name = Path(str(args.target)).name.removesuffix(".gguf")

@@ -31,12 +31,15 @@ Differences from TorchRuntime, all explicit errors rather than silent fallbacks:
 - a tree pass puts each row at start + its depth (positions are checked, not free); it keeps
   one branch at a time (`keep` of a root-to-node path; `truncate` into a tree pass only where its
   first rows form one); and has at most MAX_TREE_LEAVES leaves (ValueError above);
-- numerics: a tree row equals the chain forward of its path (to the bit where measured). After
-  `keep`, though, the kept cells stay where they were and later tokens fill the freed cells
-  between them, so the cache is no longer in position order; llama.cpp's CPU flash attention,
-  which rounds at low precision in cell order, then differs from a chain decode: by up to ~1
-  logit on SmolLM2-135M (as far as its flash attention is from attention without it) and ~2e-3
-  on the float32 test model. Greedy output can then part from plain decoding at such near-ties.
+- numerics: on the tiny float32 test model a tree row equals the chain forward of its path to
+  the bit. On quantized weights llama.cpp's logits depend on the shape of the pass that
+  computed the cached keys and values (activations are quantized per batch and batches of
+  different sizes take different kernels), for chains as much as for trees. Measured on the
+  default target (Q4_K_M), the next token's logits after a 5-token path differ by up to ~0.5
+  between: tree pass + keep vs a 5-token chain pass (0.57), a 9-token vs a 5-token chain pass
+  (0.59), and five 1-token passes vs one 5-token pass (0.48). Greedy speculative output on this
+  runtime therefore equals plain greedy decoding except at near-ties of that size, whatever the
+  drafter; the torch runtime is exact.
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ from llama_cpp import llama_cpp as C
 
 from forerun.runtime.base import ForwardOutput, ModelConfig
 
-KV_F32 = os.environ.get("FORERUN_KV_F32", "1") == "1"
 DEFAULT_BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch); longer input is chunked
 SEQ = 0  # the committed sequence; a tree pass's leaf j is sequence SEQ + j
 # leaves (sequences) a tree pass may have: the context's n_seq_max. Verify trees are far smaller
@@ -206,7 +208,6 @@ class LlamaCppRuntime:
         # when its output buffer, by default min(n_batch, n_ctx) rows, is smaller
         cparams.n_outputs_max = max(min(self.batch_size, self._capacity), MAX_TREE_LEAVES)
         cparams.n_threads = cparams.n_threads_batch = self._threads
-        cparams.type_k = cparams.type_v = C.GGML_TYPE_F32 if KV_F32 else C.GGML_TYPE_F16
         self._ctx = C.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise RuntimeError(f"llama.cpp could not create a context of {self._capacity} "
