@@ -117,7 +117,9 @@ def grow_tree(
     `beam` most likely nodes of a level (by path log-probability) are expanded. Of everything
     grown, the `budget` most likely paths' nodes are kept: a child is never likelier than its
     parent, so the kept set is a tree. `budget` may be a function of the grown nodes' path
-    log-probabilities, best first, returning how many to keep (see `best_budget`). Returns
+    log-probabilities, best first, returning how many to keep (see `best_budget`); then only
+    frontier nodes it would keep so far are expanded (on a steep verify curve a tree stays
+    small, and so does the cost of growing it). Returns
     (tokens, parents) in topological order. A chain is depth = budget, topk = beam = 1.
     """
     found: list[Candidate] = []
@@ -130,8 +132,15 @@ def grow_tree(
 
     add(root, -1, 0.0, 1)
     level = list(range(len(found)))
+    def ranked() -> list[int]:
+        return sorted(range(len(found)), key=lambda i: (-found[i].score, i))
+
     for d in range(2, depth + 1):
         frontier = sorted(level, key=lambda i: -found[i].score)[:beam]
+        if callable(budget):  # expand only nodes the verify curve would carry as things stand:
+            order = ranked()  # a child is never likelier than its parent
+            carried = set(order[:budget([found[i].score for i in order])])
+            frontier = [i for i in frontier if i in carried]
         if not frontier:
             break
         logprobs = expand(frontier, found)  # [F, N]
@@ -139,10 +148,10 @@ def grow_tree(
         for row, i in enumerate(frontier):
             add(logprobs[row], i, found[i].score, d)
         level = list(range(first, len(found)))
-    ranked = sorted(range(len(found)), key=lambda i: (-found[i].score, i))
+    order = ranked()
     if callable(budget):
-        budget = budget([found[i].score for i in ranked])
-    keep = set(ranked[:budget])
+        budget = budget([found[i].score for i in order])
+    keep = set(order[:budget])
     for i in list(keep):  # ancestors of a kept node are kept (already so unless scores tie)
         while found[i].parent >= 0:
             i = found[i].parent

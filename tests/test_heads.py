@@ -75,6 +75,18 @@ def test_grow_tree_keeps_the_likeliest_paths():
     chain = grow_tree(root, lambda f, _: level2.expand(len(f), -1), depth=3, topk=1, beam=1,
                       budget=3)
     assert chain == ([0, 0, 0], [-1, 0, 1])
+    # a budget function: only nodes it would keep so far are expanded
+    expanded = []
+
+    def expand(frontier, found):
+        expanded.append(list(frontier))
+        return level2.expand(len(frontier), -1)
+
+    def two(scores):
+        return min(2, len(scores))
+
+    assert grow_tree(root, expand, depth=3, topk=2, beam=2, budget=two) == ([0, 0], [-1, 0])
+    assert expanded == [[0, 1], [2]]  # level 3: 0>0 (.45), not 1>0 (.27): it ranks 4th
 
 
 # --- tree verification in the torch runtime ---------------------------------------------
