@@ -25,7 +25,7 @@ from forerun.heads import HeadError, TargetIO, load_heads, save_heads
 from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
-from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer
+from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, MIN_IDLE, HeadProposer
 from forerun.reference import plain_decode
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.train import TrainConfig, chat_prompts, corpus_vocab, teacher, train
@@ -192,6 +192,15 @@ def test_auto_tree_budget_is_cut_by_the_curve_and_calibrated():
         proposer.commit(len(PROMPT_T))  # nothing accepted
     assert sizes[0] > sizes[1] == 0
     assert flat.scale < 1.0 == steep.scale  # a confidence that failed is scaled down
+    # a curve that wants no draft: the head rests MIN_IDLE steps, then probes (and rests longer)
+    tokens, row = [*PROMPT_T, 1], target.forward(torch.tensor([1]), hidden_layers=(-1,)).hidden
+    rest = []
+    for _ in range(MIN_IDLE + 1):  # as in the engine: each step's token and its feature
+        steep.feed(row)
+        tokens.append(2)
+        rest.append(len(steep.propose(tokens, 3, GREEDY, make_generator(0)).tokens))
+        steep.commit(len(tokens) - 1)
+    assert rest == [0] * (MIN_IDLE + 1) and steep.skip == 2 * MIN_IDLE
     assert sizes[0] <= AUTO_TREE_MAX
 
 

@@ -13,7 +13,8 @@ proposals: lossless under sampling too.
 With tree = AUTO_TREE the node budget is chosen per step from the target's verify-cost curve
 (`forerun.tree.best_budget`): the tree is grown to AUTO_TREE_MAX nodes, then cut to the size with
 the most expected tokens per second, the head's path confidences scaled by how well they have
-predicted acceptance so far in this sequence.
+predicted acceptance so far in this sequence; where it keeps choosing no draft, the head rests
+for a growing number of steps between probes (plain decoding, without the head's cost).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ AUTO_TREE_MAX = 32  # nodes grown before an automatic budget cuts the tree
 # predicted tokens at scale 1, discounted by e^-1 per CALIBRATION_MEMORY newer predictions.
 CALIBRATION_PRIOR = 2.0
 CALIBRATION_MEMORY = 32.0
+# Where the curve keeps choosing no draft at all (a steep CPU curve), the head is not run for the
+# next `idle` steps (features wait, EAGLE's backlog is absorbed in one batched step), then it
+# probes again; `idle` doubles after each empty probe, up to MAX_IDLE, and resets on a draft.
+MIN_IDLE, MAX_IDLE = 4, 64
 
 
 class HeadProposer:
@@ -58,6 +63,7 @@ class HeadProposer:
         self.last: torch.Tensor | None = None  # [1, D] medusa/hydra: the last fed feature
         self.waiting: list[torch.Tensor] = []  # eagle: features not yet in its cache
         self.committed = 0  # eagle: final cache entries
+        self.idle, self.skip = MIN_IDLE, 0
 
     def feed(self, hidden: dict[int, torch.Tensor]) -> None:
         if self.eagle:
@@ -83,6 +89,9 @@ class HeadProposer:
     def propose(self, tokens, k, sampling, generator) -> Draft:
         if k == 0:
             return Draft.empty()
+        if self.skip > 0:  # the verify curve has not wanted a draft lately
+            self.skip -= 1
+            return Draft.empty()
         pending = torch.tensor(tokens[-1:])  # [1]
         if self.eagle:
             root, expand = self._eagle(tokens)
@@ -96,6 +105,9 @@ class HeadProposer:
         if self.tree == AUTO_TREE:
             budget = self._auto_budget(len(tokens))
         ids, parents = grow_tree(root, expand, depth=k, topk=topk, beam=topk, budget=budget)
+        if self.tree == AUTO_TREE:  # nothing worth verifying: rest, and rest longer next time
+            self.skip, self.idle = (self.idle, min(2 * self.idle, MAX_IDLE)) if not ids else (
+                0, MIN_IDLE)
         draft = self.heads.vocab_ids[torch.tensor(ids, dtype=torch.long)]  # [N] target ids
         return Draft(draft, None, torch.tensor(parents) if self.tree else None)
 
