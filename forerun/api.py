@@ -12,11 +12,13 @@ import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 
+import torch
+
 from forerun.engine import speculative_decode
 from forerun.heads import Heads, load_heads
 from forerun.metrics import GenerationStats, Step
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
-from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model, target_io
+from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model, resolve_dtype, target_io
 from forerun.models.tokenizer import IncrementalDecoder, TextTokenizer
 from forerun.policy import POLICIES, LengthPolicy
 from forerun.propose import PROPOSERS, SpecConfig
@@ -116,8 +118,11 @@ class Engine:
         target_rt = target_src.load(**kwargs)
         heads = None
         if load.heads:
+            # the head's LM-head slice in bfloat16 where the CPU multiplies it fast (measured:
+            # a 4-token EAGLE chain 50 -> 34 ms here)
+            fast = resolve_dtype("auto", load.device) == "bfloat16"
             heads = load_heads(load.heads, target_io(target_src, target_rt), target_src.name,
-                               load.context)
+                               load.context, torch.bfloat16 if fast else torch.float32)
             if load.runtime != "torch" and set(heads.cfg.layers) - {-1}:
                 raise ModelError(f"{heads.cfg.kind} heads read target layers "
                                  f"{list(heads.cfg.layers)}; the {load.runtime} runtime exposes "

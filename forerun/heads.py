@@ -124,7 +124,13 @@ class Heads(nn.Module):
         """[..., D] -> [..., N] over the reduced vocabulary."""
         if self.cfg.kind == "eagle3":
             z = rms_norm(z, self.out_norm, self.cfg.norm_eps)
-        return z @ self.lm_rows.T
+        return (z.to(self.lm_rows.dtype) @ self.lm_rows.T).float()
+
+    def draft_lm_dtype(self, dtype: torch.dtype) -> Heads:
+        """Run the LM-head slice (the head's largest matmul) in `dtype` when drafting: bfloat16
+        halves the bytes a draft step reads. Drafts may change; the output cannot."""
+        self.lm_rows = self.lm_rows.to(dtype)
+        return self
 
     def medusa(self, f: torch.Tensor) -> torch.Tensor:
         """f [T, D] -> z [K, T, D]: head i's state, predicting x_{t+2+i}."""
@@ -172,9 +178,9 @@ def save_heads(heads: Heads, directory: Path, dtype: torch.dtype = torch.bfloat1
 
 
 def load_heads(path: str | Path, io: TargetIO, target_name: str = "",
-               context: int = 4096) -> Heads:
+               context: int = 4096, lm_dtype: torch.dtype = torch.float32) -> Heads:
     """Heads from a directory (or its head.safetensors / head_config.json), checked against
-    the target's shape; float32 for drafting."""
+    the target's shape; float32 for drafting, the LM-head slice in `lm_dtype`."""
     from safetensors.torch import load_file
 
     path = Path(path).expanduser()
@@ -205,4 +211,4 @@ def load_heads(path: str | Path, io: TargetIO, target_name: str = "",
         {k: v.float() for k, v in tensors.items()}, strict=False)
     if missing or unexpected:
         raise HeadError(f"{weights_file}: missing {missing}, unexpected {unexpected}")
-    return heads.eval()
+    return heads.eval().draft_lm_dtype(lm_dtype)
