@@ -52,8 +52,6 @@ class HeadProposer:
         self.heads, self.cfg = heads, heads.cfg
         self.name, self.hidden_layers = self.cfg.kind, self.cfg.layers
         self.tree, self.topk, self.verify = tree, topk, verify
-        self.predicted = self.observed = 0.0  # discounted, for the confidence scale
-        self._pending: tuple[int, float] | None = None  # (len(tokens), predicted) of a draft
         self.eagle = self.cfg.kind in ("eagle", "eagle3")
         if self.eagle:
             self.k_cache, self.v_cache = heads.new_cache(capacity + TREE_SLACK)
@@ -63,6 +61,10 @@ class HeadProposer:
         self.last: torch.Tensor | None = None  # [1, D] medusa/hydra: the last fed feature
         self.waiting: list[torch.Tensor] = []  # eagle: features not yet in its cache
         self.committed = 0  # eagle: final cache entries
+        # automatic budget: the confidence scale's discounted evidence, the last draft's
+        # (len(tokens), predicted accepted), steps left resting and the next rest's length
+        self.predicted = self.observed = 0.0
+        self._pending: tuple[int, float] | None = None
         self.idle, self.skip = MIN_IDLE, 0
 
     def feed(self, hidden: dict[int, torch.Tensor]) -> None:
