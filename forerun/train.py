@@ -13,6 +13,7 @@ top-1/top-5 agreement with the target's argmax on held-out windows.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -95,10 +96,11 @@ EDITS = ("add type hints and a docstring", "make it easier to read",
          "rewrite it without changing its behaviour, in modern Python")
 
 
-def chat_prompts() -> list[str]:
+@functools.cache
+def chat_prompts() -> tuple[str, ...]:
     """CHAT_PROMPTS, then generated ones in a fixed order: explanations, code, translations,
     arithmetic, summaries of the standard library's module docstrings and edits of its short
-    functions (as a user would paste them)."""
+    functions (as a user would paste them). Parses the standard library (seconds): cached."""
     import ast
 
     out = list(CHAT_PROMPTS)
@@ -123,7 +125,7 @@ def chat_prompts() -> list[str]:
     out += [f"Summarize this documentation in two sentences:\n\n{d}" for d in docs[::3][:16]]
     out += [f"Please {EDITS[i % len(EDITS)]} for this function:\n\n```python\n{f}\n```"
             for i, f in enumerate(functions[::17][:32])]
-    return out
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -439,9 +441,9 @@ def add_train_parser(sub, add_model_args) -> None:
                    help="data budget: target tokens to collect")
     t.add_argument("--seq-len", type=int, default=TrainConfig.seq_len, help="window length")
     t.add_argument("--chat", type=int, default=TrainConfig.chat,
-                   help=f"chat questions the target answers first (at most "
-                        f"{len(chat_prompts())}: {len(CHAT_PROMPTS)} written, the rest generated "
-                        f"from templates and the standard library)")
+                   help=f"chat questions the target answers first: {len(CHAT_PROMPTS)} "
+                        "written, then ones generated from templates and the standard library "
+                        "(138 with Python 3.11's)")
     t.add_argument("--chat-tokens", type=int, default=TrainConfig.chat_tokens,
                    help="greedy reply length per chat question")
     t.add_argument("--replies", choices=["auto", "torch", "llama.cpp"], default="auto",

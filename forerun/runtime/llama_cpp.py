@@ -39,7 +39,8 @@ Differences from TorchRuntime, all explicit errors rather than silent fallbacks:
   between: tree pass + keep vs a 5-token chain pass (0.57), a 9-token vs a 5-token chain pass
   (0.59), and five 1-token passes vs one 5-token pass (0.48). Greedy speculative output on this
   runtime therefore equals plain greedy decoding except at near-ties of that size, whatever the
-  drafter; the torch runtime is exact.
+  drafter. The torch runtime is exact in float32/float64 (the tests); bfloat16 matmuls, too,
+  round differently by batch shape.
 """
 
 from __future__ import annotations
