@@ -256,6 +256,7 @@ def test_tree_verification_accepts_paths_off_the_first_branch():
     ("medusa", 6, SamplingConfig(temperature=1.0)),
     ("eagle", 5, SamplingConfig(temperature=0.7, top_p=0.9)),
     ("hydra", 0, SamplingConfig(temperature=1.0)),
+    ("medusa", AUTO_TREE, SamplingConfig(temperature=1.0)),  # sized per step (a flat curve)
 ])
 def test_sampling_with_head_trees_matches_target_joint(kind, tree, sampling):
     from conftest import tiny_runtime as rt_of
@@ -267,7 +268,9 @@ def test_sampling_with_head_trees_matches_target_joint(kind, tree, sampling):
     counts, generator = {}, make_generator(2024)
     for _ in range(RUNS):
         t = target()
-        proposer = PROPOSERS[kind](SpecConfig(kind, 2, tree=tree, tree_topk=2), t, None, heads)
+        proposer = (HeadProposer(heads, t.capacity, AUTO_TREE, 2, verify=lambda n: 1.0)
+                    if tree == AUTO_TREE else
+                    PROPOSERS[kind](SpecConfig(kind, 2, tree=tree, tree_topk=2), t, None, heads))
         steps = speculative_decode(t, proposer, FixedK(2), PROMPT, sampling, 3, (), generator)
         seq = tuple(x for s in steps for x in s.tokens)
         counts[seq] = counts.get(seq, 0) + 1
