@@ -98,6 +98,10 @@ def test_verify_curve(pair, tmp_path, capsys):
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["target_ms_1"] > 0 and last["target_fwd5_over_fwd1"] > 0
     curves = json.loads((out / "verify_curve.json").read_text())["curves"]
+    t = curves["target"]["seconds"]  # the ceiling: the best n·t(1)/t(n) over the sizes
+    n = last["ceiling_tokens"]
+    assert last["ceiling"] == round(max(m * t[0] / t[m - 1] for m in range(1, 33)), 3)
+    assert last["ceiling"] == round(n * t[0] / t[n - 1], 3) >= 1
     assert len(curves["target"]["sizes"]) == 32 and "draft" in curves
     assert (out / "verify_curve.png").exists()
 

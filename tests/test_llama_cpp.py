@@ -89,7 +89,8 @@ def test_length_capacity_last_only_and_limits(runtime, prompt_ids):
     out = runtime.forward(prompt_ids, last_only=True, hidden_layers=(-1,))
     assert runtime.length == len(prompt_ids)
     assert out.logits.shape == (1, runtime.config.vocab_size)
-    assert out.hidden[-1].shape == (1, runtime.config.dim)
+    # every row's hidden state, even under last_only: an EAGLE head's prefill needs them all
+    assert out.hidden[-1].shape == (len(prompt_ids), runtime.config.dim)
     with pytest.raises(ValueError, match="cannot truncate"):
         runtime.truncate(runtime.length + 1)
     with pytest.raises(ValueError, match="context full"):

@@ -244,3 +244,54 @@ def test_forks_do_tree_passes_of_their_own(rt, ref, data):
         assert close(after, chain_last(ref, torch.cat([ctx, feed[rows], nxt])).logits[-1],
                      LOOSE_ATOL)
     assert first.length == PROMPT_LEN + 5 and second.length == PROMPT_LEN + 3
+
+
+# --- heads on llama.cpp: the features they draft from -------------------------------------
+
+def test_prefill_returns_every_row_s_hidden_state(rt, data):
+    """The Runtime contract: hidden states of every row, even under last_only (an EAGLE head
+    fills its cache from the whole prompt's features)."""
+    prompt, _ = data
+    rt.truncate(0)
+    last = rt.forward(prompt, last_only=True, hidden_layers=(-1,))
+    rt.truncate(0)
+    every = rt.forward(prompt, hidden_layers=(-1,))
+    assert last.logits.shape[0] == 1 and last.hidden[-1].shape == (PROMPT_LEN, rt.dim)
+    assert torch.allclose(last.hidden[-1], every.hidden[-1], atol=TREE_ATOL, rtol=0)
+    rt.truncate(0)
+
+
+@pytest.mark.parametrize(("kind", "tree"), [("medusa", 0), ("hydra", 5), ("eagle", 0)])
+def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kind, tree):
+    """Same float32 weights, same random head: every step's draft is the same on both runtimes
+    (so the features line up with the tokens), and both outputs are plain greedy's. (An EAGLE
+    tree is left out: after keep() llama.cpp's features move by ~1e-3, LOOSE_ATOL above, and
+    the random head's fifth node once flipped on such a near-tie.)"""
+    from conftest import random_heads
+
+    from forerun.engine import speculative_decode
+    from forerun.policy import FixedK
+    from forerun.propose.heads import HeadProposer
+    from forerun.reference import plain_decode
+    from forerun.sampling import SamplingConfig, make_generator
+
+    greedy, prompt = SamplingConfig(temperature=0), data[0].tolist()
+    reference = source.load(dtype="float32", context=CTX)
+    heads = random_heads(kind, reference)
+    plain = [t for s in plain_decode(reference, prompt, greedy, 24, (), make_generator(0))
+             for t in s.tokens]
+    runs = []
+    for target in (reference, rt):
+        proposer, drafts = HeadProposer(heads, CTX, tree, topk=2), []
+
+        def recorded(*args, propose=proposer.propose, drafts=drafts):
+            drafts.append(propose(*args))
+            return drafts[-1]
+
+        proposer.propose = recorded
+        out = [t for s in speculative_decode(target, proposer, FixedK(3), prompt, greedy, 24, (),
+                                              make_generator(0)) for t in s.tokens]
+        runs.append((out, [d.tokens.tolist() for d in drafts]))
+    rt.truncate(0)
+    assert runs[0][0] == runs[1][0] == plain
+    assert runs[0][1] == runs[1][1] and any(runs[0][1])

@@ -164,19 +164,30 @@ def _verify_curve(engine: Engine, args, out: Path, meta: dict, console: Console)
     for name in curves:
         table.add_column(f"{name} ms", justify="right")
         table.add_column(f"{name} / 1 token", justify="right")
+    # what verifying n tokens can buy at best: all n accepted, drafting free
+    table.add_column("ceiling", justify="right")
+    table.add_column("acc. len for 2x", justify="right")
+    t = curves["target"]["seconds"]
+    ceilings = [n * t[0] / t[i] for i, n in enumerate(CURVE_SIZES)]
     for i, size in enumerate(CURVE_SIZES):
         row = [str(size)]
         for c in curves.values():
             row += [f"{c['seconds'][i] * 1e3:.1f}", f"{c['seconds'][i] / c['seconds'][0]:.2f}"]
+        row += [f"{ceilings[i]:.2f}x", f"{2 * t[i] / t[0]:.1f}"]
         table.add_row(*row)
     console.print(table)
+    best = max(range(len(CURVE_SIZES)), key=ceilings.__getitem__)
+    console.print(f"[dim]ceiling: the speedup of verifying n tokens when all n are accepted and "
+                  f"drafting is free, n·t(1)/t(n); acc. len for 2x: the mean accepted length a "
+                  f"drafter needs at that n to double speed, 2·t(n)/t(1). Best ceiling "
+                  f"{ceilings[best]:.2f}x at n = {CURVE_SIZES[best]}.[/dim]")
     (out / "verify_curve.json").write_text(json.dumps({"meta": meta, "curves": curves},
                                                       indent=1))
     report.plot_curves(out / "verify_curve.png", curves,
                        f"forward-time curve ({meta['runtime']}, {meta['dtype']})")
-    t = curves["target"]["seconds"]
     print(json.dumps({"target_ms_1": round(t[0] * 1e3, 2),
                       "target_fwd5_over_fwd1": round(t[4] / t[0], 3),
+                      "ceiling": round(ceilings[best], 3), "ceiling_tokens": CURVE_SIZES[best],
                       "results": str(out / "verify_curve.json")}))
     return 0
 

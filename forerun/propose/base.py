@@ -56,9 +56,13 @@ class FeatureProposer(Proposer, Protocol):
     """A proposer that drafts from the target's own hidden states (Medusa, Hydra, EAGLE)."""
 
     hidden_layers: tuple[int, ...]  # the target layers it needs (-1 = final normed)
+    # features of how many of the prompt's last tokens it needs after prefill (None: all);
+    # on llama.cpp each feature row also costs an LM-head row, so asking for fewer saves time
+    prompt_features: int | None
 
     def feed(self, hidden: dict[int, torch.Tensor]) -> None:
         """The target's features (layer -> [n, D]) of the n tokens that just entered its cache:
-        the prompt after prefill, the pending token and the accepted path after each verify.
-        Invariant: the proposer has been fed every token of the sequence but the last."""
+        the prompt (its last `prompt_features`) after prefill, the pending token and the
+        accepted path after each verify. Invariant: the proposer has been fed every token of
+        the sequence but the last (of the prompt, those it asked for)."""
         ...

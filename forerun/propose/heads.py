@@ -53,6 +53,7 @@ class HeadProposer:
         self.name, self.hidden_layers = self.cfg.kind, self.cfg.layers
         self.tree, self.topk, self.verify = tree, topk, verify
         self.eagle = self.cfg.kind in ("eagle", "eagle3")
+        self.prompt_features = None if self.eagle else 1  # medusa/hydra read the last only
         if self.eagle:
             self.k_cache, self.v_cache = heads.new_cache(capacity + TREE_SLACK)
         self.prefill([])
@@ -154,6 +155,9 @@ class HeadProposer:
         features = torch.cat(self.waiting)  # [n, D]
         self.waiting = []
         n = features.shape[0]
+        if start + n != len(tokens) - 1:  # a runtime that returned too few hidden rows
+            raise RuntimeError(f"the EAGLE head holds features of {start + n} tokens, the "
+                               f"target's cache {len(tokens) - 1}")
         positions = torch.arange(start, start + n)
         nexts = torch.tensor(tokens[start + 1:start + 1 + n])  # [n]
         mask = None if n == 1 else causal(start, n)

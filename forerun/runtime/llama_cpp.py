@@ -339,8 +339,8 @@ class LlamaCppRuntime:
                 self._decode(ids[begin:end], start + begin, rows, tree)
                 if keep:
                     logits.append(self._read(C.llama_get_logits, rows, self.vocab_size, keep))
-                    if want_hidden:
-                        hidden.append(self._read(C.llama_get_embeddings, rows, self.dim, keep))
+                if want_hidden:  # every row, even under last_only (a head's prefill needs them)
+                    hidden.append(self._read(C.llama_get_embeddings, rows, self.dim, rows))
         except BaseException:
             if tree:
                 C.llama_memory_seq_keep(self._memory, SEQ)
@@ -354,7 +354,7 @@ class LlamaCppRuntime:
             logits, hidden = [torch.empty(0, self.vocab_size)], [torch.empty(0, self.dim)]
         out = ForwardOutput(torch.cat(logits))  # [T, V] ([1, V] if last_only)
         if want_hidden:
-            out.hidden[FINAL_NORMED] = torch.cat(hidden)  # [T, D] ([1, D] if last_only)
+            out.hidden[FINAL_NORMED] = torch.cat(hidden)  # [T, D], every row
         return out
 
     def _tree_pass(self, start: int, T: int, positions, tree_mask) -> _TreePass | None:
