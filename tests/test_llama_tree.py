@@ -261,10 +261,13 @@ def test_prefill_returns_every_row_s_hidden_state(rt, data):
     rt.truncate(0)
 
 
-@pytest.mark.parametrize(("kind", "tree"), [("medusa", 0), ("hydra", 5), ("eagle", 0)])
-def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kind, tree):
+@pytest.mark.parametrize(("kind", "tree", "window"), [("medusa", 0, None), ("hydra", 5, None),
+                                                      ("eagle", 0, None), ("eagle", 0, 6)])
+def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kind, tree,
+                                                           window):
     """Same float32 weights, same random head: every step's draft is the same on both runtimes
-    (so the features line up with the tokens), and both outputs are plain greedy's. (An EAGLE
+    (so the features line up with the tokens, with EAGLE's cache started from the whole prompt
+    or from a window of it), and both outputs are plain greedy's. (An EAGLE
     tree is left out: after keep() llama.cpp's features move by ~1e-3, LOOSE_ATOL above, and
     the random head's fifth node once flipped on such a near-tie.)"""
     from conftest import random_heads
@@ -282,7 +285,7 @@ def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kin
              for t in s.tokens]
     runs = []
     for target in (reference, rt):
-        proposer, drafts = HeadProposer(heads, CTX, tree, topk=2), []
+        proposer, drafts = HeadProposer(heads, CTX, tree, topk=2, prompt_window=window), []
 
         def recorded(*args, propose=proposer.propose, drafts=drafts):
             drafts.append(propose(*args))
@@ -295,3 +298,19 @@ def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kin
     rt.truncate(0)
     assert runs[0][0] == runs[1][0] == plain
     assert runs[0][1] == runs[1][1] and any(runs[0][1])
+
+
+def test_eagle_reads_a_window_of_the_prompt_on_llama_cpp(rt):
+    """Each hidden row costs llama.cpp an LM-head row: the factory gives EAGLE a prompt window
+    there, and the whole prompt on torch."""
+    from conftest import random_heads, tiny_runtime
+
+    from forerun.propose import PROPOSERS, SpecConfig
+    from forerun.propose.heads import EAGLE_PROMPT_WINDOW
+
+    heads = random_heads("eagle", tiny_runtime(0))
+    spec = SpecConfig("eagle", 3)
+    assert PROPOSERS["eagle"](spec, rt, None, heads).prompt_features == EAGLE_PROMPT_WINDOW
+    assert PROPOSERS["eagle"](spec, tiny_runtime(0), None, heads).prompt_features is None
+    assert PROPOSERS["medusa"](SpecConfig("medusa", 3), rt, None,
+                               random_heads("medusa", tiny_runtime(0))).prompt_features == 1

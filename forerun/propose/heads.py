@@ -7,7 +7,9 @@ target's features of every token in the target's cache (all tokens but the pendi
   own sample from it, and the heads draft what follows it.
 - EAGLE keeps a KV cache of its decoder layer over the sequence: entry t is computed from
   (f_t, x_{t+1}), so features wait until the token after them is known; `committed` entries
-  are final, the slots after them hold the last draft tree's nodes and are overwritten.
+  are final, the slots after them hold the last draft tree's nodes and are overwritten. With
+  a `prompt_window` its cache starts at the window's first prompt token (`first`): where hidden
+  rows cost LM-head rows (llama.cpp) the prefill then asks for that many rows, not all of them.
 Head drafts are deterministic (top-k choices, q = None), which the verifier treats as one-hot
 proposals: lossless under sampling too.
 With tree = AUTO_TREE the node budget is chosen per step from the target's verify-cost curve
@@ -38,22 +40,30 @@ CALIBRATION_MEMORY = 32.0
 # next `idle` steps (features wait, EAGLE's backlog is absorbed in one batched step), then it
 # probes again; `idle` doubles after each empty probe, up to MAX_IDLE, and resets on a draft.
 MIN_IDLE, MAX_IDLE = 4, 64
+# EAGLE's prompt features on runtimes where a hidden row costs an LM-head row too (llama.cpp:
+# ~3 ms a row for the default target here): the cache starts with the prompt's last 32 tokens
+EAGLE_PROMPT_WINDOW = 32
 
 
 class HeadProposer:
     runtime = None  # a head step costs a few % of a target pass: treated as free to draft
 
     def __init__(self, heads: Heads, capacity: int, tree: int = 0, topk: int = 4,
-                 verify=None):
+                 verify=None, prompt_window: int | None = None):
         """`tree`: node budget (0 = a chain of k, AUTO_TREE = from `verify`, the target's
-        seconds per forward of n tokens); `topk`: children per expanded node."""
+        seconds per forward of n tokens); `topk`: children per expanded node;
+        `prompt_window`: EAGLE's cache starts with the features of at most this many of the
+        prompt's last tokens (None: all of them)."""
         if tree == AUTO_TREE and verify is None:
             raise ValueError("an automatic tree budget needs the target's verify-cost curve")
         self.heads, self.cfg = heads, heads.cfg
         self.name, self.hidden_layers = self.cfg.kind, self.cfg.layers
         self.tree, self.topk, self.verify = tree, topk, verify
         self.eagle = self.cfg.kind in ("eagle", "eagle3")
-        self.prompt_features = None if self.eagle else 1  # medusa/hydra read the last only
+        # medusa/hydra read the last feature only; EAGLE its window of the prompt
+        self.prompt_features = prompt_window if self.eagle else 1
+        if prompt_window is not None and prompt_window < 1:
+            raise ValueError(f"prompt_window must be >= 1 or None, got {prompt_window}")
         if self.eagle:
             self.k_cache, self.v_cache = heads.new_cache(capacity + TREE_SLACK)
         self.prefill([])
@@ -62,6 +72,9 @@ class HeadProposer:
         self.last: torch.Tensor | None = None  # [1, D] medusa/hydra: the last fed feature
         self.waiting: list[torch.Tensor] = []  # eagle: features not yet in its cache
         self.committed = 0  # eagle: final cache entries
+        # eagle: the sequence position of cache slot 0 (the window's first prompt token)
+        window = self.prompt_features
+        self.first = 0 if window is None else max(0, len(prompt) - window)
         # automatic budget: the confidence scale's discounted evidence, the last draft's
         # (len(tokens), predicted accepted), steps left resting and the next rest's length
         self.predicted = self.observed = 0.0
@@ -75,7 +88,7 @@ class HeadProposer:
             self.last = hidden[-1][-1:].float()  # [1, D]
 
     def commit(self, num_final: int) -> None:
-        self.committed = min(self.committed, num_final)
+        self.committed = min(self.committed, num_final - self.first)
         if self._pending is not None:  # an automatic budget's draft: accepted vs predicted
             length, predicted = self._pending
             keep = math.exp(-predicted / CALIBRATION_MEMORY)
@@ -150,19 +163,20 @@ class HeadProposer:
         return heads.logits(z)[0].log_softmax(-1), expand
 
     def _eagle(self, tokens: list[int]):
-        heads, start = self.heads, self.committed
-        # 1. Bring the cache up to the target's: entry t from (f_t, x_{t+1}).
+        heads, start, first = self.heads, self.committed, self.first
+        # 1. Bring the cache up to the target's: entry t from (f_t, x_{t+1}); slot s holds
+        # sequence position first + s (RoPE sees relative positions only).
         features = torch.cat(self.waiting)  # [n, D]
         self.waiting = []
         n = features.shape[0]
-        if start + n != len(tokens) - 1:  # a runtime that returned too few hidden rows
-            raise RuntimeError(f"the EAGLE head holds features of {start + n} tokens, the "
-                               f"target's cache {len(tokens) - 1}")
+        if first + start + n != len(tokens) - 1:  # a runtime that returned too few rows
+            raise RuntimeError(f"the EAGLE head holds features of {first + start + n} tokens, "
+                               f"the target's cache {len(tokens) - 1}")
         positions = torch.arange(start, start + n)
-        nexts = torch.tensor(tokens[start + 1:start + 1 + n])  # [n]
+        nexts = torch.tensor(tokens[first + start + 1:first + start + 1 + n])  # [n]
         mask = None if n == 1 else causal(start, n)
         o = heads.eagle_step(features, nexts, positions, self.k_cache, self.v_cache, start, mask)
-        self.committed = start + n  # == len(tokens) - 1
+        self.committed = start + n  # == len(tokens) - 1 - first
         root_o, root_pos = o[-1:], start + n - 1  # [1, D]: predicts the first draft token
         # 2. Drafted nodes append after the committed entries, attending to their ancestors.
         state: dict[int, tuple[torch.Tensor, int]] = {}  # candidate -> (o [1, D], slot)

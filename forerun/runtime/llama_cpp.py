@@ -176,6 +176,9 @@ class _Weights:
 class LlamaCppRuntime:
     """Runtime over a llama.cpp context: one sequence, a KV cache of `capacity` positions."""
 
+    # llama.cpp returns hidden states only of output rows, whose logits it computes too
+    hidden_rows_cost_logits = True
+
     def __init__(self, path: Path, config: ModelConfig, capacity: int, *,
                  n_threads: int | None = None, batch: int = DEFAULT_BATCH, gpu: bool = False):
         """`gpu`: offload every layer (needs a llama-cpp-python built with a GPU backend)."""
