@@ -33,10 +33,10 @@ def speculative_decode(target: Runtime, proposer: Proposer, policy: LengthPolicy
     layers = getattr(proposer, "hidden_layers", ())  # target features a head drafts from
     # 1. Prefill: target and proposer see the prompt; the target samples the first token.
     proposer.prefill(prompt)
-    wanted = getattr(proposer, "prompt_features", None)  # of the prompt's last tokens
-    first, hidden = prefill(target, prompt, sampling, generator, layers, wanted)
-    if layers:
-        proposer.feed(hidden)  # features of the prompt's last `wanted` tokens (None: all)
+    wanted = layers if getattr(proposer, "prompt_features", True) else ()
+    first, hidden = prefill(target, prompt, sampling, generator, wanted)
+    if wanted:
+        proposer.feed(hidden)  # features of every cached token: the whole prompt
     tokens = [*prompt, first]
     out, finish = cut(tokens[-1:], stop_ids, max_new_tokens, target.capacity - len(prompt))
     emitted = len(out)

@@ -16,19 +16,13 @@ from forerun.stopping import check_prompt, cut
 
 
 def prefill(target: Runtime, prompt: list[int], sampling: SamplingConfig,
-            generator: torch.Generator, hidden_layers: tuple[int, ...] = (),
-            feature_rows: int | None = None) -> tuple[int, dict[int, torch.Tensor]]:
+            generator: torch.Generator, hidden_layers: tuple[int, ...] = ()
+            ) -> tuple[int, dict[int, torch.Tensor]]:
     """Fill the target's cache with the prompt and sample the first new token; also return
-    the hidden states `hidden_layers` of the last `feature_rows` prompt tokens (None: every
-    one; layer -> [rows, D]). Fewer rows take two passes, the first without hidden states:
-    llama.cpp computes logits for every row it returns a hidden state of."""
+    the hidden states `hidden_layers` of every prompt token (layer -> [P, D])."""
     check_prompt(prompt, target.capacity)
     target.truncate(0)
-    ids = torch.tensor(prompt)  # [P]
-    split = len(prompt) - feature_rows if hidden_layers and feature_rows else 0
-    if split > 0:
-        target.forward(ids[:split], last_only=True)
-    out = target.forward(ids[max(split, 0):], last_only=True, hidden_layers=hidden_layers)
+    out = target.forward(torch.tensor(prompt), last_only=True, hidden_layers=hidden_layers)
     return int(sample(logits_to_probs(out.logits[-1], sampling), generator)), out.hidden
 
 

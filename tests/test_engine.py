@@ -10,7 +10,7 @@ from forerun.engine import speculative_decode
 from forerun.heads import KINDS
 from forerun.policy import POLICIES, FixedK
 from forerun.propose import PROPOSERS, SpecConfig
-from forerun.reference import plain_decode, prefill
+from forerun.reference import plain_decode
 from forerun.sampling import SamplingConfig, make_generator
 from forerun.stopping import ContextError
 
@@ -96,18 +96,6 @@ def test_context_limit_ends_generation_identically():
     got, steps = speculative("draft", 5, prompt=prompt, capacity=20, noise=0.0)
     assert got == expected and len(prompt) + len(got) == 20
     assert steps[-1].finish_reason == "length"
-
-
-def test_prefill_returns_the_last_feature_rows_asked_for():
-    """A head that reads only the last prompt features gets them from a two-pass prefill (on
-    llama.cpp every hidden row costs an LM-head row); the first token does not change."""
-    prompt, greedy = [3, 1, 4, 1, 5, 9, 2, 6], SamplingConfig(temperature=0)
-    rt = tiny_runtime(0)
-    first, every = prefill(rt, prompt, greedy, make_generator(0), (-1,))
-    again, last = prefill(rt, prompt, greedy, make_generator(0), (-1,), feature_rows=2)
-    assert again == first and rt.length == len(prompt)
-    assert last[-1].shape[0] == 2 and torch.allclose(last[-1], every[-1][-2:])
-    assert prefill(rt, prompt, greedy, make_generator(0), (-1,), 99)[1][-1].shape[0] == 8
 
 
 def test_prompt_longer_than_context_fails_clearly():

@@ -217,19 +217,19 @@ def test_greedy_head_speculation_equals_plain_greedy(kind, tree):
     assert all(s.drafted <= 3 for s in steps)
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
 @pytest.mark.parametrize("tree", [0, 7])
-def test_eagle_with_a_prompt_window_equals_plain_greedy(tree):
-    """EAGLE's cache started from the prompt's last 3 features (as on llama.cpp)."""
+def test_heads_without_prompt_features_equal_plain_greedy(kind, tree):
+    """As on llama.cpp: a prefill without hidden states; the heads start drafting a step later
+    (EAGLE's cache from the first generated token)."""
     reference = [t for s in plain_decode(tiny_runtime(0), PROMPT_T, GREEDY, 40, (),
                                          make_generator(0)) for t in s.tokens]
     target = tiny_runtime(0)
-    proposer = HeadProposer(random_heads("eagle", target), target.capacity, tree, 3,
-                            prompt_window=3)
+    proposer = HeadProposer(random_heads(kind, target), target.capacity, tree, 3,
+                            prompt_features=False)
     out, steps = decode(target, proposer, 3, GREEDY, 40, make_generator(0))
-    assert out == reference and proposer.first == len(PROMPT_T) - 3
-    assert sum(s.drafted for s in steps) > 0
-    with pytest.raises(ValueError, match="prompt_window"):
-        HeadProposer(proposer.heads, target.capacity, prompt_window=0)
+    assert out == reference and steps[1].drafted == 0 and sum(s.drafted for s in steps) > 0
+    assert proposer.first == len(PROMPT_T)  # where EAGLE's cache starts
 
 
 class OracleTree:

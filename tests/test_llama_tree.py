@@ -261,13 +261,13 @@ def test_prefill_returns_every_row_s_hidden_state(rt, data):
     rt.truncate(0)
 
 
-@pytest.mark.parametrize(("kind", "tree", "window"), [("medusa", 0, None), ("hydra", 5, None),
-                                                      ("eagle", 0, None), ("eagle", 0, 6)])
+@pytest.mark.parametrize(("kind", "tree", "prompt_features"), [
+    ("medusa", 0, True), ("hydra", 5, True), ("eagle", 0, True), ("eagle", 0, False)])
 def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kind, tree,
-                                                           window):
+                                                           prompt_features):
     """Same float32 weights, same random head: every step's draft is the same on both runtimes
-    (so the features line up with the tokens, with EAGLE's cache started from the whole prompt
-    or from a window of it), and both outputs are plain greedy's. (An EAGLE
+    (so the features line up with the tokens, with or without the prompt's), and both outputs
+    are plain greedy's. (An EAGLE
     tree is left out: after keep() llama.cpp's features move by ~1e-3, LOOSE_ATOL above, and
     the random head's fifth node once flipped on such a near-tie.)"""
     from conftest import random_heads
@@ -285,7 +285,7 @@ def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kin
              for t in s.tokens]
     runs = []
     for target in (reference, rt):
-        proposer, drafts = HeadProposer(heads, CTX, tree, topk=2, prompt_window=window), []
+        proposer, drafts = HeadProposer(heads, CTX, tree, 2, None, prompt_features), []
 
         def recorded(*args, propose=proposer.propose, drafts=drafts):
             drafts.append(propose(*args))
@@ -300,17 +300,14 @@ def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kin
     assert runs[0][1] == runs[1][1] and any(runs[0][1])
 
 
-def test_eagle_reads_a_window_of_the_prompt_on_llama_cpp(rt):
-    """Each hidden row costs llama.cpp an LM-head row: the factory gives EAGLE a prompt window
-    there, and the whole prompt on torch."""
+def test_heads_skip_the_prompt_features_on_llama_cpp(rt):
+    """Each hidden row costs llama.cpp an LM-head row: the factory's heads skip the prompt's
+    features there (the prefill stays plain's one pass), and read them on torch."""
     from conftest import random_heads, tiny_runtime
 
     from forerun.propose import PROPOSERS, SpecConfig
-    from forerun.propose.heads import EAGLE_PROMPT_WINDOW
 
-    heads = random_heads("eagle", tiny_runtime(0))
-    spec = SpecConfig("eagle", 3)
-    assert PROPOSERS["eagle"](spec, rt, None, heads).prompt_features == EAGLE_PROMPT_WINDOW
-    assert PROPOSERS["eagle"](spec, tiny_runtime(0), None, heads).prompt_features is None
-    assert PROPOSERS["medusa"](SpecConfig("medusa", 3), rt, None,
-                               random_heads("medusa", tiny_runtime(0))).prompt_features == 1
+    for kind in ("medusa", "eagle"):
+        heads, spec = random_heads(kind, tiny_runtime(0)), SpecConfig(kind, 3)
+        assert PROPOSERS[kind](spec, rt, None, heads).prompt_features is False
+        assert PROPOSERS[kind](spec, tiny_runtime(0), None, heads).prompt_features is True

@@ -56,13 +56,13 @@ class FeatureProposer(Proposer, Protocol):
     """A proposer that drafts from the target's own hidden states (Medusa, Hydra, EAGLE)."""
 
     hidden_layers: tuple[int, ...]  # the target layers it needs (-1 = final normed)
-    # features of how many of the prompt's last tokens it needs after prefill (None: all);
-    # on llama.cpp each feature row also costs an LM-head row, so asking for fewer saves time
-    prompt_features: int | None
+    # whether it reads the prompt's features after prefill; False where a hidden row costs an
+    # LM-head row (llama.cpp): the prefill is then plain's, and drafting starts a step later
+    prompt_features: bool
 
     def feed(self, hidden: dict[int, torch.Tensor]) -> None:
         """The target's features (layer -> [n, D]) of the n tokens that just entered its cache:
-        the prompt (its last `prompt_features`) after prefill, the pending token and the
-        accepted path after each verify. Invariant: the proposer has been fed every token of
-        the sequence but the last (of the prompt, those it asked for)."""
+        the prompt after prefill (if `prompt_features`), the pending token and the accepted
+        path after each verify. Invariant: the proposer has been fed every token of the
+        sequence but the last (the prompt's only if `prompt_features`)."""
         ...

@@ -7,9 +7,11 @@ target's features of every token in the target's cache (all tokens but the pendi
   own sample from it, and the heads draft what follows it.
 - EAGLE keeps a KV cache of its decoder layer over the sequence: entry t is computed from
   (f_t, x_{t+1}), so features wait until the token after them is known; `committed` entries
-  are final, the slots after them hold the last draft tree's nodes and are overwritten. With
-  a `prompt_window` its cache starts at the window's first prompt token (`first`): where hidden
-  rows cost LM-head rows (llama.cpp) the prefill then asks for that many rows, not all of them.
+  are final, the slots after them hold the last draft tree's nodes and are overwritten.
+- Without `prompt_features` (where each hidden row costs an LM-head row: llama.cpp) the prompt
+  is prefilled without hidden states, in the one pass plain decoding makes (so its numerics
+  stay plain's); the heads draft from the first generated token's feature on, and EAGLE's cache
+  starts there (`first`: the sequence position of its slot 0).
 Head drafts are deterministic (top-k choices, q = None), which the verifier treats as one-hot
 proposals: lossless under sampling too.
 With tree = AUTO_TREE the node budget is chosen per step from the target's verify-cost curve
@@ -40,30 +42,24 @@ CALIBRATION_MEMORY = 32.0
 # next `idle` steps (features wait, EAGLE's backlog is absorbed in one batched step), then it
 # probes again; `idle` doubles after each empty probe, up to MAX_IDLE, and resets on a draft.
 MIN_IDLE, MAX_IDLE = 4, 64
-# EAGLE's prompt features on runtimes where a hidden row costs an LM-head row too (llama.cpp:
-# ~3 ms a row for the default target here): the cache starts with the prompt's last 32 tokens
-EAGLE_PROMPT_WINDOW = 32
 
 
 class HeadProposer:
     runtime = None  # a head step costs a few % of a target pass: treated as free to draft
 
     def __init__(self, heads: Heads, capacity: int, tree: int = 0, topk: int = 4,
-                 verify=None, prompt_window: int | None = None):
+                 verify=None, prompt_features: bool = True):
         """`tree`: node budget (0 = a chain of k, AUTO_TREE = from `verify`, the target's
         seconds per forward of n tokens); `topk`: children per expanded node;
-        `prompt_window`: EAGLE's cache starts with the features of at most this many of the
-        prompt's last tokens (None: all of them)."""
+        `prompt_features`: read the prompt's features after prefill (else start drafting from
+        the first generated token's)."""
         if tree == AUTO_TREE and verify is None:
             raise ValueError("an automatic tree budget needs the target's verify-cost curve")
         self.heads, self.cfg = heads, heads.cfg
         self.name, self.hidden_layers = self.cfg.kind, self.cfg.layers
         self.tree, self.topk, self.verify = tree, topk, verify
         self.eagle = self.cfg.kind in ("eagle", "eagle3")
-        # medusa/hydra read the last feature only; EAGLE its window of the prompt
-        self.prompt_features = prompt_window if self.eagle else 1
-        if prompt_window is not None and prompt_window < 1:
-            raise ValueError(f"prompt_window must be >= 1 or None, got {prompt_window}")
+        self.prompt_features = prompt_features
         if self.eagle:
             self.k_cache, self.v_cache = heads.new_cache(capacity + TREE_SLACK)
         self.prefill([])
@@ -72,9 +68,9 @@ class HeadProposer:
         self.last: torch.Tensor | None = None  # [1, D] medusa/hydra: the last fed feature
         self.waiting: list[torch.Tensor] = []  # eagle: features not yet in its cache
         self.committed = 0  # eagle: final cache entries
-        # eagle: the sequence position of cache slot 0 (the window's first prompt token)
-        window = self.prompt_features
-        self.first = 0 if window is None else max(0, len(prompt) - window)
+        # eagle: the sequence position of cache slot 0 (the first generated token's without
+        # prompt features)
+        self.first = 0 if self.prompt_features else len(prompt)
         # automatic budget: the confidence scale's discounted evidence, the last draft's
         # (len(tokens), predicted accepted), steps left resting and the next rest's length
         self.predicted = self.observed = 0.0
@@ -103,8 +99,8 @@ class HeadProposer:
 
     @torch.inference_mode()
     def propose(self, tokens, k, sampling, generator) -> Draft:
-        if k == 0:
-            return Draft.empty()
+        if k == 0 or (self.last is None and not self.waiting and not self.committed):
+            return Draft.empty()  # no feature yet: the first step after a featureless prefill
         if self.skip > 0:  # the verify curve has not wanted a draft lately
             self.skip -= 1
             return Draft.empty()
