@@ -11,7 +11,7 @@ from tiny_files import byte_tokens, random_hf_weights, write_gguf
 
 from forerun import cli
 from forerun.bench.report import MEAN, aggregate
-from forerun.bench.runner import BASELINE, Run
+from forerun.bench.runner import BASELINE, BenchConfig, Run, median_run
 from forerun.bench.workloads import WorkloadError, read_workload, sample_workloads
 
 
@@ -136,3 +136,22 @@ def test_aggregate_ratios_are_against_the_same_runs_baseline():
     assert cells["a", "draft k=4"].acceptance_rate == pytest.approx(6 / 16)
     assert cells["b", "draft k=4"].speedup == pytest.approx(1.0)
     assert cells[MEAN, "draft k=4"].speedup == pytest.approx(1.5)
+
+
+def test_repeats_keep_each_cell_s_median_run(pair, workload, tmp_path, capsys):
+    """--repeats 3: every cell runs three times per prompt, one run (the median wall's) is kept."""
+    def run(wall):
+        return Run("p", "a", "x", BASELINE, 0.0, 10, 10, wall, 0.1)
+
+    assert median_run([run(3.0), run(1.0), run(2.0)]).wall_s == 2.0
+    assert median_run([run(3.0), run(1.0)]).wall_s == 1.0
+    with pytest.raises(ValueError, match="repeats"):
+        BenchConfig(repeats=0)
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--target", str(pair[0]), "--workload", str(workload),
+                     "--methods", "ngram", "--repeats", "3", "--max-tokens", "8", "--dtype",
+                     "float64", "--out", str(out), "--json"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["config"]["repeats"] == 3
+    assert len(results["runs"]) == 2 * 2 and all(r["identical"] for r in results["runs"]
+                                                 if r["label"] != BASELINE)

@@ -360,6 +360,33 @@ def test_chat_prompts_are_not_benchmark_rows():
     assert not rows & set(prompts)
 
 
+def test_collection_for_other_layers_reuses_the_chat_replies(tmp_path):
+    """EAGLE-3 reads other layers than EAGLE-1 on the same corpus: its collection takes the
+    token windows (the slow greedy chat replies) from the EAGLE-1 one, generating none."""
+    from safetensors.torch import load_file
+
+    from forerun.api import Engine, LoadConfig
+    from forerun.train import collect
+
+    target = tmp_path / "target"
+    write_hf_dir(target, random_hf_weights(len(byte_tokens()), seed=0), byte_tokens())
+    engine = Engine(str(target), None, spec=SpecConfig("none"), load=LoadConfig(dtype="float32"))
+    cfg = TrainConfig("eagle3", max_tokens=96, seq_len=32, chat=2, chat_tokens=8)
+    first = collect(engine, cfg, (-1,), tmp_path / "L-1")
+
+    class NoReplies:
+        def generate(self, *args, **kwargs):
+            raise AssertionError("a reply was generated again")
+
+    second = collect(engine, cfg, (0, 1, -1), tmp_path / "L0_1_-1", NoReplies(),
+                     siblings=(tmp_path / "L-1",))
+    assert len(first) == len(second) == 3
+    for a, b in zip(first, second, strict=True):
+        a, b = load_file(str(a)), load_file(str(b))
+        assert torch.equal(a["tokens"], b["tokens"]) and set(b) >= {"h0", "h1", "h-1"}
+        assert torch.allclose(a["h-1"].float(), b["h-1"].float())
+
+
 def test_train_command_then_generate_with_the_heads(tmp_path):
     """`forerun train` on a tiny HF directory, then `forerun generate --heads`: identical."""
     target = tmp_path / "target"

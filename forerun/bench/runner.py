@@ -4,7 +4,9 @@ Owns: the run order and what one run records. For each prompt and temperature th
 (plain decoding on the same engine: same runtime, model and dtype) and every method x k cell run
 in a seeded shuffled order, one right after the other, so slow drifts of the machine (thermal,
 another process) hit all of them alike and every figure is a ratio measured side by side. Peers
-run on the same prompt ids right after. Aggregation and printing live in `report.py`.
+run on the same prompt ids right after. With `repeats` > 1 that round runs that many times (each
+in its own shuffled order) and each cell keeps its run of median wall time: on a noisy machine a
+single run of a few seconds moves by ±10%. Aggregation and printing live in `report.py`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class BenchConfig:
     seed: int = 0
     tree: int = 0  # head methods: draft-tree node budget (0 = chains)
     tree_topk: int = 4
+    repeats: int = 1  # rounds per prompt; each cell keeps its median-wall run
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
     def cells(self) -> list[tuple[str, SpecConfig]]:
         """(label, spec) for the baseline and every method x k x policy."""
@@ -105,21 +112,24 @@ def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig,
         ids = engine.tokenizer.encode_prompt(prompt.text)  # chat template when the model has one
         for temperature in cfg.temperatures:
             sampling = SamplingConfig(temperature=temperature, seed=cfg.seed + i)
-            order = cells[:]
-            random.Random(f"{cfg.seed}:{prompt.id}:{temperature}").shuffle(order)
-            done: dict[str, Run] = {}
-            for label, spec in order:
-                trace, stats = run_forerun(engine, ids, spec, sampling, cfg.max_tokens)
-                run = trace_to_run(trace, prompt, label, BASELINE, temperature, len(ids))
-                run.verify_steps = max(0, stats.target_forward_passes - 1)
-                run.drafted, run.accepted = stats.drafted, stats.accepted
-                done[label] = run
-            for peer in peers:
-                for mode in peer.modes:
-                    trace = peer.run(mode, ids, sampling, cfg.max_tokens)
-                    done[peer.label(mode)] = trace_to_run(
-                        trace, prompt, peer.label(mode), peer.label(peer.modes[0]),
-                        temperature, len(ids))
+            tries: dict[str, list[Run]] = {}
+            for r in range(cfg.repeats):
+                order = cells[:]
+                key = f"{cfg.seed}:{prompt.id}:{temperature}" + (f":{r}" if r else "")
+                random.Random(key).shuffle(order)
+                for label, spec in order:
+                    trace, stats = run_forerun(engine, ids, spec, sampling, cfg.max_tokens)
+                    run = trace_to_run(trace, prompt, label, BASELINE, temperature, len(ids))
+                    run.verify_steps = max(0, stats.target_forward_passes - 1)
+                    run.drafted, run.accepted = stats.drafted, stats.accepted
+                    tries.setdefault(label, []).append(run)
+                for peer in peers:
+                    for mode in peer.modes:
+                        trace = peer.run(mode, ids, sampling, cfg.max_tokens)
+                        tries.setdefault(peer.label(mode), []).append(trace_to_run(
+                            trace, prompt, peer.label(mode), peer.label(peer.modes[0]),
+                            temperature, len(ids)))
+            done = {label: median_run(runs) for label, runs in tries.items()}
             for run in done.values():
                 if temperature == 0.0 and run.label != run.baseline:
                     run.identical = run.token_ids == done[run.baseline].token_ids
@@ -127,6 +137,11 @@ def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig,
                 if on_run is not None:
                     on_run(run)
     return runs
+
+
+def median_run(runs: list[Run]) -> Run:
+    """The run of median wall time (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda run: run.wall_s)[(len(runs) - 1) // 2]
 
 
 def _warmup(engine: Engine, prompts: list[Prompt], cells, peers: list[Peer]) -> None:
