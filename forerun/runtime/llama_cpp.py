@@ -27,7 +27,9 @@ MAX_TREE_LEAVES, the most leaves a tree may have.
 Differences from TorchRuntime, all explicit errors rather than silent fallbacks:
 - weights stay quantized as in the file, so `dtype` does not apply (activations are quantized to
   8 bits inside llama.cpp's matmuls); logits come back float32;
-- hidden states: only the final normed layer (-1), which llama.cpp exposes as its embeddings;
+- hidden states: only the final normed layer (-1), which llama.cpp exposes as its embeddings,
+  and only of output rows, whose logits it then computes too (an LM-head row each, ~3 ms for
+  the default target here): `hidden_rows_cost_logits` tells heads to skip the prompt's;
 - a tree pass puts each row at start + its depth (positions are checked, not free); it keeps
   one branch at a time (`keep` of a root-to-node path; `truncate` into a tree pass only where its
   first rows form one); and has at most MAX_TREE_LEAVES leaves (ValueError above);
