@@ -16,6 +16,7 @@ from rich.table import Table
 
 from forerun.api import DEFAULT_MAX_TOKENS, Completion, Engine, LoadConfig
 from forerun.bench.command import add_bench_parser
+from forerun.heads import PRECISIONS
 from forerun.models.catalog import (
     CATALOG,
     DEFAULT_DRAFT,
@@ -61,6 +62,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", default=None, metavar="PATH",
                    help="trained Medusa/Hydra/EAGLE heads for the target (a directory made by "
                         "`forerun train`); use with --method medusa|hydra|eagle|eagle3")
+    g.add_argument("--head-precision", default="auto", choices=["auto", *PRECISIONS],
+                   help="the heads' weights when drafting: int8 (per-row scales) reads a "
+                        "quarter of float32's bytes; changes speed and drafts, never the output; "
+                        "auto = int8 on CPUs with fast bfloat16, else float32 "
+                        "(default: %(default)s)")
     g.add_argument("--runtime", default="torch", choices=list(RUNTIMES),
                    help="torch: our transformer, weights dequantized to --dtype; llama.cpp: the "
                         "GGUF file on llama.cpp's quantized kernels, --dtype ignored (needs "
@@ -71,7 +77,7 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
     """The LoadConfig of the arguments add_model_args defined."""
     return LoadConfig(args.dtype, args.device, args.context, runtime=args.runtime,
                       draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab,
-                      heads=args.heads)
+                      heads=args.heads, head_precision=args.head_precision)
 
 
 def spec_config(args: argparse.Namespace) -> SpecConfig:

@@ -37,6 +37,7 @@ from forerun.runtime.base import ModelConfig
 from forerun.runtime.torch_model import Block, rms_norm, rope_tables
 
 KINDS = ("medusa", "hydra", "eagle", "eagle3")
+PRECISIONS = ("float32", "bfloat16", "int8")  # a draft step's weights (Heads.for_drafting)
 CONFIG_FILE, WEIGHTS_FILE = "head_config.json", "head.safetensors"
 
 
@@ -81,6 +82,37 @@ class TargetIO:
     lm_head: torch.Tensor  # [V, D] LM head rows (== embed for tied models)
 
 
+class DraftLinear(nn.Module):
+    """A trained linear layer (or the LM-head slice) in a cheaper form for drafting. A draft
+    step multiplies one to a few rows by each weight, so it is bound by the bytes of weights it
+    reads: bfloat16 halves float32's, int8 (symmetric, one scale per output row, weight-only as
+    in gpt-fast's int8 mode) quarters them. Activations go in as bfloat16 and come out as
+    float32; norms, attention and residuals stay float32. Measured here (2-core EPYC,
+    AVX512-BF16), one row through the 16,384 x 1536 LM slice: float32 6.4 ms, bfloat16 2.3 ms,
+    int8 1.1 ms."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, precision: str):
+        super().__init__()
+        w = weight.detach().float()  # [O, I]
+        self.precision, self.out_features = precision, w.shape[0]
+        if precision == "int8":
+            scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127  # [O]
+            self.register_buffer("weight", (w / scale[:, None]).round().to(torch.int8))
+            self.register_buffer("scale", scale.bfloat16())
+        else:
+            self.register_buffer("weight", w.bfloat16())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).bfloat16()  # [R, I]
+        if self.precision == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale)  # [R, O]
+        else:
+            y = rows @ self.weight.T
+        y = y.float().view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 class ResBlock(nn.Module):
     """x + SiLU(W x + b), initialised to the identity (Medusa's head block)."""
 
@@ -104,6 +136,7 @@ class Heads(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)  # [N]
         self.embed = io.embed  # [V, D], frozen, not saved
         self.lm_rows = io.lm_head[vocab_ids].float().contiguous()  # [N, D], frozen, not saved
+        self.lm_draft: DraftLinear | None = None  # the rows in a drafting precision
         if cfg.kind == "medusa":
             self.blocks = nn.ModuleList(ResBlock(D, D) for _ in range(cfg.num_heads))
         elif cfg.kind == "hydra":
@@ -124,13 +157,26 @@ class Heads(nn.Module):
         """[..., D] -> [..., N] over the reduced vocabulary."""
         if self.cfg.kind == "eagle3":
             z = rms_norm(z, self.out_norm, self.cfg.norm_eps)
+        if self.lm_draft is not None:
+            return self.lm_draft(z)
         return (z.to(self.lm_rows.dtype) @ self.lm_rows.T).float()
 
-    def draft_lm_dtype(self, dtype: torch.dtype) -> Heads:
-        """Run the LM-head slice (the head's largest matmul) in `dtype` when drafting: bfloat16
-        halves the bytes a draft step reads. Drafts may change; the output cannot."""
-        self.lm_rows = self.lm_rows.to(dtype)
-        return self
+    def for_drafting(self, precision: str) -> Heads:
+        """Make every matmul of a draft step (the head's linears and its LM-head slice) read
+        `precision` weights: see DraftLinear. Drafts may change; the output cannot. For
+        drafting only: the result does not train."""
+        if precision not in PRECISIONS:
+            raise HeadError(f"unknown head precision {precision!r}; choose "
+                            f"{', '.join(PRECISIONS)}")
+        if precision == "float32":
+            return self
+        linears = [(parent, name, child) for parent in self.modules()
+                   for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+        for parent, name, child in linears:
+            setattr(parent, name, DraftLinear(child.weight, child.bias, precision))
+        self.lm_draft = DraftLinear(self.lm_rows, None, precision)
+        self.lm_rows = self.lm_rows[:0]  # the float32 rows live on in lm_draft's form only
+        return self.requires_grad_(False)
 
     def medusa(self, f: torch.Tensor) -> torch.Tensor:
         """f [T, D] -> z [K, T, D]: head i's state, predicting x_{t+2+i}."""
@@ -178,9 +224,9 @@ def save_heads(heads: Heads, directory: Path, dtype: torch.dtype = torch.bfloat1
 
 
 def load_heads(path: str | Path, io: TargetIO, target_name: str = "",
-               context: int = 4096, lm_dtype: torch.dtype = torch.float32) -> Heads:
+               context: int = 4096, precision: str = "float32") -> Heads:
     """Heads from a directory (or its head.safetensors / head_config.json), checked against
-    the target's shape; float32 for drafting, the LM-head slice in `lm_dtype`."""
+    the target's shape, ready to draft with `precision` weights (see Heads.for_drafting)."""
     from safetensors.torch import load_file
 
     path = Path(path).expanduser()
@@ -211,4 +257,4 @@ def load_heads(path: str | Path, io: TargetIO, target_name: str = "",
         {k: v.float() for k, v in tensors.items()}, strict=False)
     if missing or unexpected:
         raise HeadError(f"{weights_file}: missing {missing}, unexpected {unexpected}")
-    return heads.eval().draft_lm_dtype(lm_dtype)
+    return heads.eval().for_drafting(precision)

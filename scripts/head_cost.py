@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from forerun.api import Engine, LoadConfig
+from forerun.api import Engine, LoadConfig, head_precision
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.sampling import SamplingConfig, make_generator
 
@@ -39,14 +39,17 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--tree", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--head-precision", default="auto")
     args = ap.parse_args()
     engine = Engine(args.target, None, spec=SpecConfig("none"),
-                    load=LoadConfig(args.dtype, runtime=args.runtime, heads=args.heads))
+                    load=LoadConfig(args.dtype, runtime=args.runtime, heads=args.heads,
+                                         head_precision=args.head_precision))
     text = Path(__file__).read_text()
     prompt = engine.tokenizer.encode(text, add_special=False)[:200]
     greedy = SamplingConfig(temperature=0)
     target = engine.target
-    out = {"runtime": args.runtime, "method": args.method, "k": args.k, "tree": args.tree}
+    out = {"runtime": args.runtime, "method": args.method, "k": args.k, "tree": args.tree,
+           "head_precision": head_precision(args.head_precision)}
 
     def one_pass():
         target.truncate(len(prompt))
@@ -58,6 +61,7 @@ def main() -> None:
     for label, tree in (("chain", 0), ("tree", args.tree)):
         spec = SpecConfig(args.method, args.k, tree=tree)
         proposer = PROPOSERS[args.method](spec, target, None, engine.heads)
+        proposer.prompt_features = True  # this script feeds the prompt's features itself
         tokens = list(prompt)
         target.truncate(0)
         base_hidden = target.forward(torch.tensor(tokens[:-1]), last_only=True,

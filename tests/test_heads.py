@@ -19,9 +19,10 @@ from conftest import random_heads, tiny_runtime
 from test_lossless_sampling import ALPHA, PROMPT, RUNS, V, chi_square_pvalue, exact_joint
 from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
 
+from forerun.api import LoadConfig
 from forerun.bench.workloads import BUILTIN, read_workload
 from forerun.engine import speculative_decode
-from forerun.heads import HeadError, TargetIO, load_heads, save_heads
+from forerun.heads import DraftLinear, HeadError, TargetIO, load_heads, save_heads
 from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
@@ -215,6 +216,41 @@ def test_greedy_head_speculation_equals_plain_greedy(kind, tree):
     out, steps = decode(target, proposer, 3, GREEDY, 40, make_generator(0))
     assert out == reference
     assert all(s.drafted <= 3 for s in steps)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+def test_heads_drafting_in_a_cheaper_precision_equal_plain_greedy(kind, precision):
+    """Heads whose weights are cast or quantized for drafting draft other tokens at most;
+    the output stays the target's."""
+    reference = [t for s in plain_decode(tiny_runtime(0), PROMPT_T, GREEDY, 40, (),
+                                         make_generator(0)) for t in s.tokens]
+    target = tiny_runtime(0)
+    heads = random_heads(kind, target).for_drafting(precision)
+    assert heads.lm_draft is not None and not any(
+        isinstance(m, torch.nn.Linear) for m in heads.modules())
+    proposer = PROPOSERS[kind](SpecConfig(kind, 3, tree=7, tree_topk=3), target, None, heads)
+    out, steps = decode(target, proposer, 3, GREEDY, 40, make_generator(0))
+    assert out == reference and sum(s.drafted for s in steps) > 0
+
+
+@pytest.mark.parametrize("precision, tolerance", [("bfloat16", 0.01), ("int8", 0.02)])
+def test_draft_linear_stays_close_to_the_float32_layer(precision, tolerance):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 40)
+    x = torch.randn(3, 5, 96)  # any leading dimensions
+    y = DraftLinear(layer.weight, layer.bias, precision)(x)
+    assert y.shape == (3, 5, 40) and y.dtype == torch.float32
+    with torch.no_grad():
+        exact = layer(x)
+    assert ((y - exact).norm() / exact.norm()).item() < tolerance
+
+
+def test_unknown_head_precision_is_refused():
+    with pytest.raises(HeadError, match="unknown head precision"):
+        random_heads("medusa", tiny_runtime(0)).for_drafting("int4")
+    with pytest.raises(ValueError, match="head_precision"):
+        LoadConfig(head_precision="fp8")
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
