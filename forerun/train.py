@@ -1,7 +1,9 @@
 """`forerun train {medusa,hydra,eagle,eagle3}`: heads distilled from the target itself.
 
 Owns: the training corpus, the data collection (the target's features and its top-K next-token
-distribution at every position, written as resumable shards) and the training loop. Data:
+distribution at every position, written as resumable shards) and the training loop. The
+features come from `--runtime`, the one the heads will draft on: torch, or llama.cpp (final
+layer only, so not for EAGLE-3), whose numerics differ from torch's by a few percent. Data:
 - code: the Python standard library's own sources on this machine, teacher-forced in windows;
 - chat: the target's own replies (greedy) to the questions in CHAT_PROMPTS, written for this
   file (none is a benchmark row), then teacher-forced like the code.
@@ -415,10 +417,11 @@ def head_layers(kind: str, n_layers: int) -> tuple[int, ...]:
 
 def run(engine, target_name: str, cfg: TrainConfig, out: Path, data_dir: Path,
         draft_vocab: int, replier=None, siblings: tuple[Path, ...] = (),
-        **head_overrides) -> dict:
-    """Collect (or reuse) the data, train, save; returns the report."""
-    io = TargetIO(*(t.detach() for t in (engine.target.model.embed.weight,
-                                          engine.target.model.lm_weight())))
+        io: TargetIO | None = None, **head_overrides) -> dict:
+    """Collect (or reuse) the data, train, save; returns the report. `io`: the target's
+    embeddings and LM head (default: the torch runtime's own)."""
+    io = io or TargetIO(*(t.detach() for t in (engine.target.model.embed.weight,
+                                                engine.target.model.lm_weight())))
     V = io.embed.shape[0]
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -464,8 +467,8 @@ def add_train_parser(sub, add_model_args) -> None:
                    help="greedy reply length per chat question")
     t.add_argument("--replies", choices=["auto", "torch", "llama.cpp"], default="auto",
                    help="runtime that generates the chat replies (features and distributions "
-                        "always come from the torch runtime); auto = llama.cpp for a GGUF "
-                        "target when installed (several times faster here)")
+                        "come from --runtime); auto = llama.cpp for a GGUF target when "
+                        "installed (several times faster here)")
     t.add_argument("--steps", type=int, default=TrainConfig.steps, help="training windows")
     t.add_argument("--lr", type=float, default=TrainConfig.lr)
     t.add_argument("--ttt", type=int, default=TrainConfig.ttt,
@@ -490,21 +493,22 @@ def cmd_train(args) -> int:
     from forerun.api import Engine
     from forerun.cli import load_config
     from forerun.models.catalog import ModelError, forerun_home
-    from forerun.models.load import open_model, resolve_dtype
+    from forerun.models.load import open_model, resolve_dtype, target_io
     from forerun.propose import SpecConfig
 
     load = load_config(args)
-    if load.runtime != "torch":
-        raise ModelError("forerun train collects the target's features with the torch runtime; "
-                         "drop --runtime (the heads then run on either runtime)")
+    if load.runtime != "torch" and args.kind == "eagle3":
+        raise ModelError(f"eagle3 heads read middle layers, which only the torch runtime "
+                         f"exposes; drop --runtime {load.runtime}")
     if not 0 <= args.chat <= len(chat_prompts()):
         raise ValueError(f"--chat must be 0..{len(chat_prompts())}")
+    source = open_model(args.target)
     engine = Engine(args.target, None, spec=SpecConfig("none"), load=replace(load, heads=None))
     replies = args.replies
     if replies == "auto":
-        gguf = open_model(args.target).kind == "gguf"
+        gguf = source.kind == "gguf"
         replies = "llama.cpp" if gguf and importlib.util.find_spec("llama_cpp") else "torch"
-    replier = None if replies == "torch" else Engine(
+    replier = None if replies == load.runtime else Engine(
         args.target, None, spec=SpecConfig("none"),
         load=replace(load, heads=None, runtime=replies))
     bf16 = resolve_dtype(args.train_dtype, "cpu") == "bfloat16"
@@ -515,18 +519,22 @@ def cmd_train(args) -> int:
     name = Path(str(args.target)).name.removesuffix(".gguf")
     layers = head_layers(args.kind, engine.target.config.n_layers)
     corpus = f"-T{cfg.seq_len}-C{cfg.chat}x{cfg.chat_tokens}"
-    key = f"{name}-{load.dtype}-L{'_'.join(map(str, layers))}{corpus}"
+    # features come from the runtime the heads will draft on (its numerics: llama.cpp's final
+    # hidden state is ~5% off torch bf16's here); the key says which
+    features = load.dtype if load.runtime == "torch" else load.runtime
+    key = f"{name}-{features}-L{'_'.join(map(str, layers))}{corpus}"
     data = Path(args.data) if args.data else forerun_home() / "train-data" / key
-    # the same corpus collected for other layers: its token windows are reused
-    siblings = tuple(d for d in sorted(data.parent.glob(f"{name}-{load.dtype}-L*{corpus}"))
-                     if d != data)
+    # the same corpus collected for other layers or by another runtime: its token windows
+    # (the chat replies, the slow part) are reused
+    siblings = tuple(d for d in sorted(data.parent.glob(f"{name}-*-L*{corpus}")) if d != data)
     out = Path(args.out) if args.out else forerun_home() / "heads" / name / args.kind
     overrides = {"num_heads": args.num_heads, "ffn_dim": args.ffn_dim}
     if args.kind in ("eagle", "eagle3"):
         c = engine.target.config
         overrides |= {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
                       "rope_theta": c.rope_theta, "norm_eps": c.norm_eps}
-    report = run(engine, name, cfg, out, data, args.head_vocab, replier, siblings, **overrides)
+    report = run(engine, name, cfg, out, data, args.head_vocab, replier, siblings,
+                 target_io(source, engine.target), **overrides)
     report["out"] = str(out)
     if not args.json:
         after = report["after"]

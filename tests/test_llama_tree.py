@@ -311,3 +311,44 @@ def test_heads_skip_the_prompt_features_on_llama_cpp(rt):
         heads, spec = random_heads(kind, tiny_runtime(0)), SpecConfig(kind, 3)
         assert PROPOSERS[kind](spec, rt, None, heads).prompt_features is False
         assert PROPOSERS[kind](spec, tiny_runtime(0), None, heads).prompt_features is True
+
+
+def test_train_collects_features_on_llama_cpp(source, tmp_path):
+    """`forerun train --runtime llama.cpp`: the shards hold llama.cpp's features and
+    distributions (on float32 weights, torch's up to summation order), the heads then draft on
+    llama.cpp with unchanged output; EAGLE-3's middle layers are refused clearly."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from forerun.train import teacher
+
+    env = {**os.environ, "FORERUN_HOME": str(tmp_path / "home")}
+    base = [sys.executable, "-m", "forerun.cli"]
+    common = ["--target", source.path.as_posix(), "--runtime", "llama.cpp"]
+    shape = ["--max-tokens", "64", "--seq-len", "32", "--chat", "1", "--chat-tokens", "8",
+             "--steps", "3", "--head-vocab", "0", "--ffn-dim", "32", "--json"]
+    r = subprocess.run([*base, "train", "eagle", *common, *shape], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.splitlines()[-1])
+    data = tmp_path / "home" / "train-data" / "tiny-llama.cpp-L-1-T32-C1x8"
+    shards = sorted(data.glob("window-*.safetensors"))
+    assert report["data_tokens"] == 64 and len(shards) == 2
+    torch_rt = source.load(dtype="float32", context=CTX)
+    for path in shards:
+        shard = load_file(str(path))
+        again = teacher(torch_rt, shard["tokens"].tolist(), (-1,))
+        assert torch.equal(shard["top_ids"][:, 0], again["top_ids"][:, 0])
+        assert torch.allclose(shard["h-1"].float(), again["h-1"].float(), atol=2e-2, rtol=0)
+    r = subprocess.run([*base, "generate", *common, "--heads", report["out"], "--method",
+                        "eagle", "--max-tokens", "12", "--raw", "--compare", "--json", "hello"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["identical"] is True
+    r = subprocess.run([*base, "train", "eagle3", *common, *shape], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 2 and "only the torch runtime" in r.stderr

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from forerun.api import Engine, LoadConfig
+from forerun.api import Engine, LoadConfig, head_precision
 from forerun.bench import report
 from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
 from forerun.bench.runner import BenchConfig, run_bench, runs_per_prompt
@@ -201,5 +201,6 @@ def _meta(args, load: LoadConfig) -> dict:
             "dtype": resolve_dtype(load.dtype, load.device) if runtime == "torch" else "gguf",
             "draft_dtype": resolve_dtype(load.draft_dtype, load.device),
             "draft_vocab": load.draft_vocab or "full", "device": load.device,
+            "heads": load.heads, "head_precision": head_precision(load.head_precision),
             "cpus": len(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
