@@ -25,8 +25,10 @@ from forerun.train import TrainConfig, agreement, load_shards
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", required=True)
-    ap.add_argument("--data", required=True, help="the collection the heads were trained on")
+    ap.add_argument("--data", required=True,
+                    help="a collection: the heads' own, or another runtime's of the same corpus")
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     args = ap.parse_args()
     engine = Engine(args.target, None, spec=SpecConfig("none"),
                     load=LoadConfig(heads=args.heads, head_precision="float32"))
@@ -38,7 +40,7 @@ def main() -> None:
     lookup = torch.full((heads.cfg.vocab_size,), -1, dtype=torch.long)
     lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.shape[0])
     out = {"kind": heads.cfg.kind, "held_out_windows": len(held)}
-    for precision in PRECISIONS:
+    for precision in args.precisions:
         drafting = copy.deepcopy(heads).for_drafting(precision)
         out[precision] = agreement(drafting, held, cfg, lookup)
         print(precision, json.dumps(out[precision]), flush=True)
