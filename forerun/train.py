@@ -478,7 +478,8 @@ def add_train_parser(sub, add_model_args) -> None:
     t.add_argument("--head-vocab", type=int, default=32768,
                    help="the heads' reduced vocabulary (most frequent ids; 0 = all)")
     t.add_argument("--out", default=None, help="output folder (default: next to the target "
-                   "in the model cache: FORERUN_HOME/heads/TARGET/KIND)")
+                   "in the model cache: FORERUN_HOME/heads/TARGET/KIND, or KIND-llamacpp for "
+                   "--runtime llama.cpp)")
     t.add_argument("--data", default=None, help="shard folder (default: FORERUN_HOME/"
                    "train-data/...); reused and extended when it exists")
     t.add_argument("--train-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -527,7 +528,9 @@ def cmd_train(args) -> int:
     # the same corpus collected for other layers or by another runtime: its token windows
     # (the chat replies, the slow part) are reused
     siblings = tuple(d for d in sorted(data.parent.glob(f"{name}-*-L*{corpus}")) if d != data)
-    out = Path(args.out) if args.out else forerun_home() / "heads" / name / args.kind
+    # heads trained on another runtime's features land beside, not over, the torch ones
+    suffix = "" if load.runtime == "torch" else "-" + load.runtime.replace(".", "")
+    out = Path(args.out) if args.out else forerun_home() / "heads" / name / (args.kind + suffix)
     overrides = {"num_heads": args.num_heads, "ffn_dim": args.ffn_dim}
     if args.kind in ("eagle", "eagle3"):
         c = engine.target.config

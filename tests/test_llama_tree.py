@@ -338,6 +338,7 @@ def test_train_collects_features_on_llama_cpp(source, tmp_path):
     data = tmp_path / "home" / "train-data" / "tiny-llama.cpp-L-1-T32-C1x8"
     shards = sorted(data.glob("window-*.safetensors"))
     assert report["data_tokens"] == 64 and len(shards) == 2
+    assert report["out"] == str(tmp_path / "home" / "heads" / "tiny" / "eagle-llamacpp")
     torch_rt = source.load(dtype="float32", context=CTX)
     for path in shards:
         shard = load_file(str(path))

@@ -45,8 +45,9 @@ MIN_IDLE, MAX_IDLE = 4, 64
 
 
 class HeadProposer:
-    # a head step is treated as free to draft (measured: ~6% of a torch bf16 target pass here,
-    # ~25% of a llama.cpp one; the automatic budget does not price it yet)
+    # a head step is treated as free to draft (measured with int8 weights, scripts/head_cost.py:
+    # ~2% of a torch bf16 target pass here, 7-10% of a llama.cpp one; the automatic budget does
+    # not price it yet)
     runtime = None
 
     def __init__(self, heads: Heads, capacity: int, tree: int = 0, topk: int = 4,
