@@ -44,6 +44,19 @@ def test_invalid_parameters_fail_clearly(kwargs):
         SamplingConfig(**kwargs)
 
 
+def test_one_hot_rows_take_their_token_and_mixed_rows_still_sample():
+    """The one-hot shortcut (greedy) returns the only token with mass; a batch with any
+    non-one-hot row samples every row: zero-mass tokens are never drawn, frequencies match."""
+    one_hot = torch.zeros(3, 6).index_fill_(1, torch.tensor([4]), 1.0)
+    one_hot[1] = torch.nn.functional.one_hot(torch.tensor(2), 6)
+    assert sample(one_hot, make_generator(0)).tolist() == [4, 2, 4]
+    mixed = torch.tensor([[0.0, 0.25, 0.0, 0.75], [0.0, 0.0, 1.0, 0.0]]).repeat(2000, 1)
+    drawn = sample(mixed, make_generator(3)).reshape(2000, 2)
+    assert set(drawn[:, 0].tolist()) == {1, 3} and set(drawn[:, 1].tolist()) == {2}
+    # P(|freq - 0.75| > 0.05) with n = 2000, sd 0.0097: ~2.6e-7
+    assert abs((drawn[:, 0] == 3).double().mean().item() - 0.75) < 0.05
+
+
 def test_seed_reproduces_samples():
     probs = logits_to_probs(LOGITS.repeat(50, 1), SamplingConfig(temperature=1.0))
     a = sample(probs, make_generator(7))
