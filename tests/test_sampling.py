@@ -1,5 +1,7 @@
 import pytest
 import torch
+from scipy.stats import chisquare
+from test_lossless_sampling import ALPHA
 
 from forerun.sampling import SamplingConfig, SamplingError, logits_to_probs, make_generator, sample
 
@@ -55,6 +57,17 @@ def test_one_hot_rows_take_their_token_and_mixed_rows_still_sample():
     assert set(drawn[:, 0].tolist()) == {1, 3} and set(drawn[:, 1].tolist()) == {2}
     # P(|freq - 0.75| > 0.05) with n = 2000, sd 0.0097: ~2.6e-7
     assert abs((drawn[:, 0] == 3).double().mean().item() - 0.75) < 0.05
+
+
+def test_inverse_cdf_draws_the_distribution_and_never_a_zero_mass_token():
+    """sample() draws by inverse CDF: zero-mass tokens (first, last, between) are never drawn,
+    unnormalised rows are fine, and the frequencies pass chi-square at the suite's ALPHA."""
+    p = torch.tensor([0.0, 0.1, 0.0, 0.2, 0.3, 0.0, 0.4, 0.0])
+    drawn = sample((p * 3).repeat(20000, 1), make_generator(11))
+    assert drawn.shape == (20000,) and drawn.dtype == torch.int64
+    counts = torch.bincount(drawn, minlength=8).double()
+    assert counts[p == 0].sum() == 0
+    assert chisquare(counts[p > 0].numpy(), (p[p > 0] * 20000).double().numpy()).pvalue > ALPHA
 
 
 def test_seed_reproduces_samples():
