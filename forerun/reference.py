@@ -1,5 +1,6 @@
 """Plain autoregressive decoding: the oracle every speculative method must match, and the
-baseline every speedup is measured against. Deliberately the obvious loop.
+baseline every speedup is measured against. Deliberately the obvious loop. Also replays its
+path to show what it saw where another decoding parted from it (`plain_logits_at`).
 """
 
 from __future__ import annotations
@@ -40,3 +41,18 @@ def plain_decode(target: Runtime, prompt: list[int], sampling: SamplingConfig,
             return
         logits = target.forward(torch.tensor([token])).logits  # [1, V]
         token, is_prefill = int(sample(logits_to_probs(logits[-1], sampling), generator)), False
+
+
+def plain_logits_at(target: Runtime, prompt: list[int], tokens: list[int], position: int
+                    ) -> torch.Tensor:
+    """The target's logits [V] for new token `position` along plain decoding's own path: the
+    prompt in one pass, then tokens[:position] one per pass, as `plain_decode` fed them (so on a
+    deterministic runtime these are the logits plain decoding chose tokens[position] from)."""
+    check_prompt(prompt, target.capacity)
+    if not 0 <= position <= len(tokens):
+        raise ValueError(f"position {position} is outside the {len(tokens)} tokens given")
+    target.truncate(0)
+    logits = target.forward(torch.tensor(prompt), last_only=True).logits  # [1, V]
+    for token in tokens[:position]:
+        logits = target.forward(torch.tensor([token])).logits  # [1, V]
+    return logits[-1]

@@ -10,8 +10,9 @@ import torch
 from tiny_files import byte_tokens, random_hf_weights, write_gguf
 
 from forerun import cli
-from forerun.bench.report import MEAN, aggregate
-from forerun.bench.runner import BASELINE, BenchConfig, Run, median_run
+from forerun.api import Engine
+from forerun.bench.report import MEAN, aggregate, divergences, markdown
+from forerun.bench.runner import BASELINE, BenchConfig, Run, divergence, median_run
 from forerun.bench.workloads import WorkloadError, read_workload, sample_workloads
 
 
@@ -85,7 +86,7 @@ def test_bench_writes_table_json_and_plot(pair, workload, tmp_path, capsys):
     runs = results["runs"]
     assert len(runs) == 2 * 5  # 2 prompts x (baseline + 4 cells)
     # float64 tiny models: greedy speculation reproduces the baseline exactly
-    assert all(r["identical"] for r in runs if r["label"] != BASELINE)
+    assert all(r["identical"] and r["divergence"] is None for r in runs if r["label"] != BASELINE)
     assert all(r["new_tokens"] > 0 and r["wall_s"] > 0 for r in runs)
     assert (out / "bench.png").stat().st_size > 1000
     assert "| 0 | editeval | draft k=4 | 1 |" in (out / "results.md").read_text()
@@ -155,3 +156,39 @@ def test_repeats_keep_each_cell_s_median_run(pair, workload, tmp_path, capsys):
     assert results["meta"]["config"]["repeats"] == 3
     assert len(results["runs"]) == 2 * 2 and all(r["identical"] for r in results["runs"]
                                                  if r["label"] != BASELINE)
+
+
+def test_a_divergence_is_located_and_plain_s_margin_replayed():
+    """A greedy run that parts from plain: where, both tokens, and plain's logit margin there,
+    replayed along plain decoding's own path (prompt in one pass, then a token a pass); the
+    report lists it under the table."""
+    from conftest import tiny_runtime
+
+    from forerun.reference import plain_decode, plain_logits_at
+    from forerun.sampling import SamplingConfig, make_generator
+
+    rt = tiny_runtime(0, vocab=64)
+    engine = Engine.from_runtimes(rt, tokenizer=None)
+    prompt = [1, 2, 3, 4]
+    plain = [t for s in plain_decode(rt, prompt, SamplingConfig(), 12, (), make_generator(0))
+             for t in s.tokens]
+    assert [int(plain_logits_at(rt, prompt, plain, i).argmax()) for i in range(12)] == plain
+    other = [*plain[:5], (plain[5] + 1) % 64, *plain[6:]]
+    d = divergence(engine, prompt, plain, other)
+    logits = plain_logits_at(rt, prompt, plain, 5)  # [V]
+    assert d == {"at": 5, "plain": plain[5], "speculative": other[5],
+                 "logit_gap": round(float(logits[plain[5]] - logits[other[5]]), 4)}
+    assert d["logit_gap"] > 0  # plain took its argmax
+    assert divergence(engine, prompt, plain, plain) is None
+    assert divergence(engine, prompt, plain, plain[:7]) == {
+        "at": 7, "plain": plain[7], "speculative": None, "logit_gap": None}
+    with pytest.raises(ValueError, match="outside"):
+        plain_logits_at(rt, prompt, plain, 13)
+    runs = [Run("7", "qa", BASELINE, BASELINE, 0.0, 4, 12, 1.0, 0.1, [0.1]),
+            Run("7", "qa", "medusa k=4", BASELINE, 0.0, 4, 12, 1.0, 0.1, [0.1],
+                identical=False, divergence=d)]
+    lines = divergences(runs, decode=lambda ids: f"<{ids[0]}>")
+    assert lines == [f"qa/7, medusa k=4: new token 5, plain {plain[5]} '<{plain[5]}>' vs "
+                     f"{other[5]} '<{other[5]}>'; plain's logit margin {d['logit_gap']:.3f}"]
+    text = markdown(aggregate(runs), "t", lines)
+    assert "near-tie" in text and f"- {lines[0]}" in text

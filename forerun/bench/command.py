@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from tqdm import tqdm
 
@@ -112,8 +113,13 @@ def cmd_bench(args) -> int:
     cells = report.aggregate(runs)
     title = f"forerun bench: {Path(str(args.target)).name} ({meta['runtime']}, {meta['dtype']})"
     console.print(report.table(cells, title))
+    notes = report.divergences(runs, engine.tokenizer.decode)
+    if notes:
+        console.print(f"[dim]{report.DIVERGENCE_HELP}:[/dim]")
+        for note in notes:
+            console.print(f"[dim]  {escape(note)}[/dim]")
     report.write_json(out / "results.json", meta | {"config": asdict(cfg)}, cells, runs)
-    (out / "results.md").write_text(report.markdown(cells, title))
+    (out / "results.md").write_text(report.markdown(cells, title, notes))
     report.plot(out / "bench.png", cells, title)
     console.print(f"wrote {out / 'results.json'}, results.md and bench.png")
     print(json.dumps(report.summary(cells) | {"results": str(out / "results.json")}))

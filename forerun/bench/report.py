@@ -8,7 +8,8 @@ Owns: how runs become figures. For each (temperature, category, label):
 - acceptance rate = accepted / drafted draft tokens;
 - TTFT = median time to the first token; ITL p50 / p90 = quantiles over decode steps of
   (gap between steps / tokens in the step): what a streaming client sees per token;
-- identical = share of greedy runs whose token ids equal their baseline's.
+- identical = share of greedy runs whose token ids equal their baseline's; `divergences` lists
+  the others: where each parted from plain and plain's logit margin there.
 A category named "mean" is added: the unweighted mean of the per-category speedups (Spec-Bench's
 headline figure) and medians of the rest.
 """
@@ -134,12 +135,42 @@ def table(cells: list[Cell], title: str) -> Table:
     return t
 
 
-def markdown(cells: list[Cell], title: str) -> str:
-    """The same table as GitHub markdown (results.md), to paste into an issue or a README."""
+DIVERGENCE_HELP = ("greedy outputs not identical to plain decoding's: where each parts from it, "
+                   "and plain's logit margin there (a margin within the runtime's batch-shape "
+                   "rounding, ~0.5 on llama.cpp, a few hundredths in bfloat16, is a near-tie; "
+                   "see the README, \"What lossless means here\")")
+
+
+def markdown(cells: list[Cell], title: str, divergent: list[str] = ()) -> str:
+    """The same table as GitHub markdown (results.md), to paste into an issue or a README;
+    then the `divergences`, if any."""
     lines = [f"**{title}**", "", "| " + " | ".join(COLUMNS) + " |",
              "|" + "|".join("---" if col in ("category", "method") else "--:" for col in COLUMNS)
              + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows(cells)]) + "\n"
+    lines += ["| " + " | ".join(row) + " |" for row in rows(cells)]
+    if divergent:
+        lines += ["", DIVERGENCE_HELP[0].upper() + DIVERGENCE_HELP[1:] + ":", "",
+                  *(f"- {n}" for n in divergent)]
+    return "\n".join(lines) + "\n"
+
+
+def divergences(runs: list[Run], decode=None) -> list[str]:
+    """One line per greedy run that parted from plain; `decode` (ids -> text) shows the tokens."""
+    def show(token: int | None) -> str:
+        if token is None:
+            return "(stopped)"
+        return f"{token} {decode([token])!r}" if decode is not None else str(token)
+
+    out = []
+    for r in runs:
+        d = r.divergence
+        if d is None:
+            continue
+        margin = ("one output stopped first" if d["logit_gap"] is None
+                  else f"plain's logit margin {d['logit_gap']:.3f}")
+        out.append(f"{r.category}/{r.prompt_id}, {r.label}: new token {d['at']}, plain "
+                   f"{show(d['plain'])} vs {show(d['speculative'])}; {margin}")
+    return out
 
 
 def summary(cells: list[Cell]) -> dict:
