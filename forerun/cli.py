@@ -12,6 +12,7 @@ import json
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from forerun.api import DEFAULT_MAX_TOKENS, Completion, Engine, LoadConfig
@@ -29,6 +30,7 @@ from forerun.models.catalog import (
 from forerun.models.load import DEFAULT_CONTEXT, DTYPES, RUNTIMES
 from forerun.policy import POLICIES
 from forerun.propose import PROPOSERS, SpecConfig, tree_budget
+from forerun.reference import divergence
 from forerun.sampling import SamplingConfig, SamplingError
 from forerun.serve.command import add_serve_parser
 from forerun.stopping import ContextError
@@ -203,10 +205,13 @@ def cmd_generate(args) -> int:
     report = {"plain": plain.to_dict(), "speculative": result.to_dict(),
               "speedup": result.stats.tokens_per_s / max(plain.stats.tokens_per_s, 1e-9),
               "identical": plain.token_ids == result.token_ids}
+    if sampling.greedy and not report["identical"]:  # where, and plain's margin there
+        report["divergence"] = divergence(engine.target, ids, plain.token_ids, result.token_ids)
     if args.json:
         print(json.dumps(report))
     else:
-        _print_stats([plain, result], speedup=report["speedup"], identical=report["identical"])
+        _print_stats([plain, result], speedup=report["speedup"], identical=report["identical"],
+                     parted=report.get("divergence"), decode=engine.tokenizer.decode)
     return 0
 
 
@@ -223,7 +228,8 @@ def _run(engine: Engine, ids: list[int], kwargs: dict, spec: SpecConfig,
 
 
 def _print_stats(results: list[Completion], speedup: float | None = None,
-                 identical: bool | None = None) -> None:
+                 identical: bool | None = None, parted: dict | None = None,
+                 decode=None) -> None:
     table = Table(title="forerun generate", title_justify="left")
     for col in ("method", "k", "tokens", "tok/s", "TTFT s", "ITL ms", "target passes",
                 "accept rate", "mean acc. len", "finish"):
@@ -243,6 +249,16 @@ def _print_stats(results: list[Completion], speedup: float | None = None,
     if speedup is not None:
         verdict = "[green]identical[/]" if identical else "[yellow]differ[/] (see README: numerics)"
         err.print(f"speedup {speedup:.2f}x; speculative tokens vs plain: {verdict}")
+    if parted and parted["logit_gap"] is None:
+        err.print(f"one output stopped at new token {parted['at']} where the other went on")
+    elif parted:
+        def show(token: int) -> str:
+            return escape(f"{token} {decode([token])!r}")
+
+        err.print(f"they part at new token {parted['at']}: plain {show(parted['plain'])}, "
+                  f"speculative {show(parted['speculative'])}; plain's logit margin there "
+                  f"{parted['logit_gap']:.3f} (one within the runtime's batch-shape rounding, "
+                  f"~0.5 on llama.cpp, a few hundredths in bfloat16, is a near-tie)")
 
 
 # --- models -------------------------------------------------------------------------------------

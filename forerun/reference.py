@@ -1,6 +1,6 @@
 """Plain autoregressive decoding: the oracle every speculative method must match, and the
 baseline every speedup is measured against. Deliberately the obvious loop. Also replays its
-path to show what it saw where another decoding parted from it (`plain_logits_at`).
+path to show what it saw where another greedy decoding parted from it (`divergence`).
 """
 
 from __future__ import annotations
@@ -56,3 +56,21 @@ def plain_logits_at(target: Runtime, prompt: list[int], tokens: list[int], posit
     for token in tokens[:position]:
         logits = target.forward(torch.tensor([token])).logits  # [1, V]
     return logits[-1]
+
+
+def divergence(target: Runtime, prompt: list[int], plain: list[int], other: list[int]
+               ) -> dict | None:
+    """Where greedy output `other` first parts from plain greedy output `plain`, and plain's
+    logit margin there (its token's logit minus the other's, replayed): {"at", "plain",
+    "speculative", "logit_gap"}, None if they are equal. A margin of the runtime's batch-shape
+    rounding is a near-tie (README, "What lossless means here"); a large one would be a bug."""
+    pairs = zip(plain, other, strict=False)
+    at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(plain), len(other)))
+    if at == len(plain) == len(other):
+        return None
+    if at == len(plain) or at == len(other):  # one stopped (a stop token) where the other went on
+        return {"at": at, "plain": plain[at] if at < len(plain) else None,
+                "speculative": other[at] if at < len(other) else None, "logit_gap": None}
+    logits = plain_logits_at(target, prompt, plain, at)  # [V]
+    return {"at": at, "plain": plain[at], "speculative": other[at],
+            "logit_gap": round(float(logits[plain[at]] - logits[other[at]]), 4)}

@@ -10,9 +10,8 @@ import torch
 from tiny_files import byte_tokens, random_hf_weights, write_gguf
 
 from forerun import cli
-from forerun.api import Engine
 from forerun.bench.report import MEAN, aggregate, divergences, markdown
-from forerun.bench.runner import BASELINE, BenchConfig, Run, divergence, median_run
+from forerun.bench.runner import BASELINE, BenchConfig, Run, median_run
 from forerun.bench.workloads import WorkloadError, read_workload, sample_workloads
 
 
@@ -164,23 +163,22 @@ def test_a_divergence_is_located_and_plain_s_margin_replayed():
     report lists it under the table."""
     from conftest import tiny_runtime
 
-    from forerun.reference import plain_decode, plain_logits_at
+    from forerun.reference import divergence, plain_decode, plain_logits_at
     from forerun.sampling import SamplingConfig, make_generator
 
     rt = tiny_runtime(0, vocab=64)
-    engine = Engine.from_runtimes(rt, tokenizer=None)
     prompt = [1, 2, 3, 4]
     plain = [t for s in plain_decode(rt, prompt, SamplingConfig(), 12, (), make_generator(0))
              for t in s.tokens]
     assert [int(plain_logits_at(rt, prompt, plain, i).argmax()) for i in range(12)] == plain
     other = [*plain[:5], (plain[5] + 1) % 64, *plain[6:]]
-    d = divergence(engine, prompt, plain, other)
+    d = divergence(rt, prompt, plain, other)
     logits = plain_logits_at(rt, prompt, plain, 5)  # [V]
     assert d == {"at": 5, "plain": plain[5], "speculative": other[5],
                  "logit_gap": round(float(logits[plain[5]] - logits[other[5]]), 4)}
     assert d["logit_gap"] > 0  # plain took its argmax
-    assert divergence(engine, prompt, plain, plain) is None
-    assert divergence(engine, prompt, plain, plain[:7]) == {
+    assert divergence(rt, prompt, plain, plain) is None
+    assert divergence(rt, prompt, plain, plain[:7]) == {
         "at": 7, "plain": plain[7], "speculative": None, "logit_gap": None}
     with pytest.raises(ValueError, match="outside"):
         plain_logits_at(rt, prompt, plain, 13)
@@ -192,3 +190,30 @@ def test_a_divergence_is_located_and_plain_s_margin_replayed():
                      f"{other[5]} '<{other[5]}>'; plain's logit margin {d['logit_gap']:.3f}"]
     text = markdown(aggregate(runs), "t", lines)
     assert "near-tie" in text and f"- {lines[0]}" in text
+
+
+def test_generate_compare_locates_a_broken_verifier_s_divergence(pair, monkeypatch, capsys):
+    """`generate --compare` on greedy output that parts from plain says where and with what
+    margin; a verifier that accepts every draft token parts at a token plain was sure of."""
+    import forerun.engine
+    from forerun.verify import Verdict
+
+    args = ["generate", "--target", str(pair[0]), "--method", "ngram", "-k", "4", "--dtype",
+            "float64", "--max-tokens", "24", "--compare", "--json", "abc abc abc abc"]
+    assert cli.main(args) == 0
+    fine = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert fine["identical"] and "divergence" not in fine
+
+    def accept_everything(draft_tokens, p, q, generator):
+        return Verdict([*draft_tokens.tolist(), int(p[-1].argmax())], draft_tokens.shape[0])
+
+    monkeypatch.setattr(forerun.engine, "rejection_sample", accept_everything)
+    assert cli.main(args) == 0
+    broken = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    d = broken["divergence"]
+    plain, spec = broken["plain"]["token_ids"], broken["speculative"]["token_ids"]
+    assert not broken["identical"] and plain[:d["at"]] == spec[:d["at"]]
+    assert (d["plain"], d["speculative"]) == (plain[d["at"]], spec[d["at"]])
+    assert d["logit_gap"] > 0
+    assert cli.main([a for a in args if a != "--json"]) == 0
+    assert f"they part at new token {d['at']}" in capsys.readouterr().err

@@ -23,7 +23,7 @@ from forerun.heads import KINDS as HEAD_KINDS
 from forerun.metrics import GenerationStats
 from forerun.policy import POLICIES
 from forerun.propose import AUTO_TREE, SpecConfig
-from forerun.reference import plain_logits_at
+from forerun.reference import divergence
 from forerun.sampling import SamplingConfig
 
 BASELINE = "forerun plain"
@@ -106,23 +106,6 @@ def run_forerun(engine: Engine, ids: list[int], spec: SpecConfig, sampling: Samp
     return trace, GenerationStats.from_steps(spec.method, spec.k, start, steps)
 
 
-def divergence(engine: Engine, ids: list[int], plain: list[int], other: list[int]
-               ) -> dict | None:
-    """Where `other` first parts from plain greedy output, and plain's logit margin there
-    (replayed on the target): a margin of the runtime's batch-shape rounding is a near-tie, as
-    the README's "What lossless means" explains; a large one would be a bug."""
-    pairs = zip(plain, other, strict=False)
-    at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(plain), len(other)))
-    if at == len(plain) == len(other):
-        return None
-    if at == len(plain) or at == len(other):  # one stopped (a stop token) where the other went on
-        return {"at": at, "plain": plain[at] if at < len(plain) else None,
-                "speculative": other[at] if at < len(other) else None, "logit_gap": None}
-    logits = plain_logits_at(engine.target, ids, plain, at)  # [V]
-    return {"at": at, "plain": plain[at], "speculative": other[at],
-            "logit_gap": round(float(logits[plain[at]] - logits[other[at]]), 4)}
-
-
 def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig,
               peers: Iterable[Peer] = (), on_run: Callable[[Run], None] | None = None
               ) -> list[Run]:
@@ -155,8 +138,8 @@ def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig,
                 if temperature == 0.0 and run.label != run.baseline:
                     run.identical = run.token_ids == done[run.baseline].token_ids
                     if not run.identical and run.baseline == BASELINE:
-                        run.divergence = divergence(engine, ids, done[BASELINE].token_ids,
-                                                    run.token_ids)
+                        run.divergence = divergence(engine.target, ids,
+                                                    done[BASELINE].token_ids, run.token_ids)
                 runs.append(run)
                 if on_run is not None:
                     on_run(run)
