@@ -17,6 +17,7 @@ from rich.table import Table
 
 from forerun.api import DEFAULT_MAX_TOKENS, Completion, Engine, LoadConfig
 from forerun.bench.command import add_bench_parser
+from forerun.bench.report import NEAR_TIE, describe_divergence
 from forerun.heads import PRECISIONS
 from forerun.models.catalog import (
     CATALOG,
@@ -249,16 +250,8 @@ def _print_stats(results: list[Completion], speedup: float | None = None,
     if speedup is not None:
         verdict = "[green]identical[/]" if identical else "[yellow]differ[/] (see README: numerics)"
         err.print(f"speedup {speedup:.2f}x; speculative tokens vs plain: {verdict}")
-    if parted and parted["logit_gap"] is None:
-        err.print(f"one output stopped at new token {parted['at']} where the other went on")
-    elif parted:
-        def show(token: int) -> str:
-            return escape(f"{token} {decode([token])!r}")
-
-        err.print(f"they part at new token {parted['at']}: plain {show(parted['plain'])}, "
-                  f"speculative {show(parted['speculative'])}; plain's logit margin there "
-                  f"{parted['logit_gap']:.3f} (one within the runtime's batch-shape rounding, "
-                  f"~0.5 on llama.cpp, a few hundredths in bfloat16, is a near-tie)")
+    if parted:
+        err.print(escape(f"they part at {describe_divergence(parted, decode)} ({NEAR_TIE})"))
 
 
 # --- models -------------------------------------------------------------------------------------

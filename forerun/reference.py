@@ -66,11 +66,11 @@ def divergence(target: Runtime, prompt: list[int], plain: list[int], other: list
     rounding is a near-tie (README, "What lossless means here"); a large one would be a bug."""
     pairs = zip(plain, other, strict=False)
     at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(plain), len(other)))
-    if at == len(plain) == len(other):
+    if plain == other:
         return None
-    if at == len(plain) or at == len(other):  # one stopped (a stop token) where the other went on
-        return {"at": at, "plain": plain[at] if at < len(plain) else None,
-                "speculative": other[at] if at < len(other) else None, "logit_gap": None}
-    logits = plain_logits_at(target, prompt, plain, at)  # [V]
-    return {"at": at, "plain": plain[at], "speculative": other[at],
-            "logit_gap": round(float(logits[plain[at]] - logits[other[at]]), 4)}
+    mine, theirs = (seq[at] if at < len(seq) else None for seq in (plain, other))
+    gap = None  # one stopped (a stop token) where the other went on: no choice to replay
+    if mine is not None and theirs is not None:
+        logits = plain_logits_at(target, prompt, plain, at)  # [V]
+        gap = round(float(logits[mine] - logits[theirs]), 4)
+    return {"at": at, "plain": mine, "speculative": theirs, "logit_gap": gap}

@@ -135,10 +135,22 @@ def table(cells: list[Cell], title: str) -> Table:
     return t
 
 
+NEAR_TIE = ("a margin within the runtime's batch-shape rounding, ~0.5 on llama.cpp, a few "
+            "hundredths in bfloat16, is a near-tie; see the README, \"What lossless means here\"")
 DIVERGENCE_HELP = ("greedy outputs not identical to plain decoding's: where each parts from it, "
-                   "and plain's logit margin there (a margin within the runtime's batch-shape "
-                   "rounding, ~0.5 on llama.cpp, a few hundredths in bfloat16, is a near-tie; "
-                   "see the README, \"What lossless means here\")")
+                   f"and plain's logit margin there ({NEAR_TIE})")
+
+
+def describe_divergence(d: dict, decode=None) -> str:
+    """A `reference.divergence` in words; `decode` (ids -> text) shows the tokens."""
+    def show(token: int | None) -> str:
+        if token is None:
+            return "(stopped)"
+        return f"{token} {decode([token])!r}" if decode is not None else str(token)
+
+    margin = ("one output stopped first" if d["logit_gap"] is None
+              else f"plain's logit margin {d['logit_gap']:.3f}")
+    return f"new token {d['at']}, plain {show(d['plain'])} vs {show(d['speculative'])}; {margin}"
 
 
 def markdown(cells: list[Cell], title: str, divergent: list[str] = ()) -> str:
@@ -155,22 +167,9 @@ def markdown(cells: list[Cell], title: str, divergent: list[str] = ()) -> str:
 
 
 def divergences(runs: list[Run], decode=None) -> list[str]:
-    """One line per greedy run that parted from plain; `decode` (ids -> text) shows the tokens."""
-    def show(token: int | None) -> str:
-        if token is None:
-            return "(stopped)"
-        return f"{token} {decode([token])!r}" if decode is not None else str(token)
-
-    out = []
-    for r in runs:
-        d = r.divergence
-        if d is None:
-            continue
-        margin = ("one output stopped first" if d["logit_gap"] is None
-                  else f"plain's logit margin {d['logit_gap']:.3f}")
-        out.append(f"{r.category}/{r.prompt_id}, {r.label}: new token {d['at']}, plain "
-                   f"{show(d['plain'])} vs {show(d['speculative'])}; {margin}")
-    return out
+    """One line per greedy run that parted from plain."""
+    return [f"{r.category}/{r.prompt_id}, {r.label}: {describe_divergence(r.divergence, decode)}"
+            for r in runs if r.divergence is not None]
 
 
 def summary(cells: list[Cell]) -> dict:
