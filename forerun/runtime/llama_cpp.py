@@ -59,6 +59,7 @@ import torch
 from llama_cpp import llama_cpp as C
 
 from forerun.runtime.base import ForwardOutput, ModelConfig
+from forerun.runtime.llama_amx import use_extra_buffers
 
 DEFAULT_BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch); longer input is chunked
 SEQ = 0  # the committed sequence; a tree pass's leaf j is sequence SEQ + j
@@ -153,22 +154,14 @@ class _TreePass:
         return SEQ + int(on.argmax()) if on.any() else None
 
 
-def cpu_has_amx() -> bool:
-    try:
-        return "amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 class _Weights:
     """A loaded llama.cpp model, freed when the last runtime (fork) using it is gone."""
 
     def __init__(self, path: Path, gpu: bool):
         mparams = C.llama_model_default_params()
         mparams.n_gpu_layers = -1 if gpu else 0
-        # llama.cpp 0.3.36's AMX buffers (picked on CPUs with AMX) crash in
-        # ggml_backend_amx_mul_mat on the quantized types we load: keep the plain CPU kernels
-        mparams.use_extra_bufts = not cpu_has_amx()
+        # repacked weights (AMX tiles on CPUs with AMX), unless this build's AMX path is broken
+        mparams.use_extra_bufts = use_extra_buffers(path)
         self.model = C.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}{_llama_errors()}")
