@@ -5,7 +5,9 @@ Owns: one llama.cpp model and context holding one committed sequence (sequence i
 batches allocated once and refilled in place, and copying out the logit rows that were asked for.
 `fork()` opens another context on the same model: weights are loaded once, freed with the last
 runtime that uses them.
-Never samples, never tokenizes: forerun's tokenizer makes the token ids.
+Never samples, never tokenizes: forerun's tokenizer makes the token ids. Weights go in
+llama.cpp's repacked ("extra") buffers, AMX tiles included where `forerun.runtime.llama_amx`
+finds this build's AMX path sound.
 
 Invariants: cache position i holds the i-th token appended, as in TorchRuntime; `truncate(n)`
 removes positions >= n from llama.cpp's KV cache (`llama_memory_seq_rm`), so the next forward
