@@ -114,6 +114,11 @@ def calibration_sizes(max_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(sizes | {max_tokens}))
 
 
+def cached_curve(runtime: Runtime) -> ForwardCurve | None:
+    """The curve `calibrated_curve` measured for this runtime, if it has."""
+    return _curves.get(runtime)
+
+
 def calibrated_curve(runtime: Runtime, max_tokens: int) -> ForwardCurve:
     """The runtime's curve up to `max_tokens`, measured at its first use and then cached.
 

@@ -155,6 +155,17 @@ def test_repeats_keep_each_cell_s_median_run(pair, workload, tmp_path, capsys):
     assert results["meta"]["config"]["repeats"] == 3
     assert len(results["runs"]) == 2 * 2 and all(r["identical"] for r in results["runs"]
                                                  if r["label"] != BASELINE)
+    assert "calibrated_curve" not in results["meta"]  # a fixed k measures no curve
+
+
+def test_the_curve_a_cost_decision_used_is_recorded(pair, workload, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--target", str(pair[0]), "--workload", str(workload),
+                     "--methods", "ngram", "--ks", "3", "--policies", "cost", "--max-tokens",
+                     "8", "--dtype", "float64", "--out", str(out), "--json"]) == 0
+    curve = json.loads((out / "results.json").read_text())["meta"]["calibrated_curve"]
+    assert curve["sizes"] == [1, 2, 3, 4]  # the cost policy's: up to k + 1
+    assert len(curve["seconds"]) == 4 and all(s > 0 for s in curve["seconds"])
 
 
 def test_a_divergence_is_located_and_plain_s_margin_replayed():

@@ -29,6 +29,7 @@ from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
 from forerun.bench.runner import BenchConfig, run_bench, runs_per_prompt
 from forerun.bench.workloads import BUILTIN, Prompt, sample_workloads
 from forerun.models.load import open_model, resolve_dtype
+from forerun.profile import cached_curve
 from forerun.propose import SpecConfig, tree_budget
 
 CURVE_SIZES = tuple(range(1, 33))
@@ -118,6 +119,9 @@ def cmd_bench(args) -> int:
         console.print(f"[dim]{report.DIVERGENCE_HELP}:[/dim]")
         for note in notes:
             console.print(f"[dim]  {escape(note)}[/dim]")
+    curve = cached_curve(engine.target)  # what --tree auto / --policy cost decided with
+    if curve is not None:
+        meta["calibrated_curve"] = curve.to_dict()
     report.write_json(out / "results.json", meta | {"config": asdict(cfg)}, cells, runs)
     (out / "results.md").write_text(report.markdown(cells, title, notes))
     report.plot(out / "bench.png", cells, title)
