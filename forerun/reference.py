@@ -64,10 +64,10 @@ def divergence(target: Runtime, prompt: list[int], plain: list[int], other: list
     logit margin there (its token's logit minus the other's, replayed): {"at", "plain",
     "speculative", "logit_gap"}, None if they are equal. A margin of the runtime's batch-shape
     rounding is a near-tie (README, "What lossless means here"); a large one would be a bug."""
-    pairs = zip(plain, other, strict=False)
-    at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(plain), len(other)))
     if plain == other:
         return None
+    pairs = zip(plain, other, strict=False)
+    at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(plain), len(other)))
     mine, theirs = (seq[at] if at < len(seq) else None for seq in (plain, other))
     gap = None  # one stopped (a stop token) where the other went on: no choice to replay
     if mine is not None and theirs is not None:
