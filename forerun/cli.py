@@ -86,7 +86,7 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
 def spec_config(args: argparse.Namespace) -> SpecConfig:
     """The SpecConfig of the arguments add_spec_args defined."""
     return SpecConfig(args.method, args.k, args.policy, args.ngram_min, args.ngram_max,
-                      args.tree, args.tree_topk)
+                      args.tree, args.tree_topk, args.lookup)
 
 
 def load_engine(args: argparse.Namespace, err: Console) -> Engine:
@@ -116,6 +116,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "first use); 0 = a chain of k tokens (default: %(default)s)")
     g.add_argument("--tree-topk", type=int, default=4,
                    help="head methods: children kept per expanded tree node (default: %(default)s)")
+    g.add_argument("--lookup", action="store_true",
+                   help="head methods: add the prompt-lookup continuation (as --method ngram "
+                        "finds it, k long) to every draft as one more branch, priced by its "
+                        "measured acceptance; pays on edits and summaries")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix to look up")
 

@@ -180,3 +180,32 @@ def best_budget(scores: list[float], verify: Callable[[float], float], scale: fl
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n
+
+
+def graft(tokens: list[int], parents: list[int], chain: list[int]) -> tuple[list[int], list[int]]:
+    """The tree (tokens, parents) with `chain` added as a path from the root: its tokens follow
+    existing nodes while they match and hang new nodes off the last match after that. Children
+    of a node keep distinct tokens; the result stays in topological order."""
+    tokens, parents = list(tokens), list(parents)
+    node = -1
+    for token in chain:
+        child = next((i for i, p in enumerate(parents) if p == node and tokens[i] == token), None)
+        if child is None:
+            tokens.append(token)
+            parents.append(node)
+            child = len(tokens) - 1
+        node = child
+    return tokens, parents
+
+
+def match_depth(tokens: list[int], parents: list[int], truth: list[int]) -> int:
+    """How deep the tree follows `truth` from the root: the length of its longest path whose
+    tokens are a prefix of truth (for a verified draft and the tokens the target accepted, the
+    accepted path's length)."""
+    node, depth = -1, 0
+    for token in truth:
+        node = next((i for i, p in enumerate(parents) if p == node and tokens[i] == token), None)
+        if node is None:
+            break
+        depth += 1
+    return depth

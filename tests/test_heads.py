@@ -10,6 +10,7 @@ target must lower the loss and raise agreement; heads survive a save/load round 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -27,10 +28,11 @@ from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, MIN_IDLE, HeadProposer
+from forerun.propose.ngram import LookupBranch
 from forerun.reference import plain_decode
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.train import TrainConfig, chat_prompts, corpus_vocab, teacher, train
-from forerun.tree import TokenTree, best_budget, grow_tree
+from forerun.tree import TokenTree, best_budget, graft, grow_tree, match_depth
 from forerun.verify import recursive_rejection_sample
 
 GREEDY = SamplingConfig(temperature=0)
@@ -183,18 +185,24 @@ def test_auto_tree_budget_is_cut_by_the_curve_and_calibrated():
     heads = random_heads("eagle", target)
     flat = HeadProposer(heads, target.capacity, AUTO_TREE, 3, verify=lambda n: 1.0)
     steep = HeadProposer(heads, target.capacity, AUTO_TREE, 3, verify=lambda n: float(n))
-    sizes = []
+    sizes, drafts = [], []
     for proposer in (flat, steep):
         proposer.prefill(PROMPT_T)
         target.truncate(0)
         proposer.feed(target.forward(torch.tensor(PROMPT_T), hidden_layers=(-1,)).hidden)
         draft = proposer.propose([*PROMPT_T, 1], 3, GREEDY, make_generator(0))
         sizes.append(len(draft.tokens))
-        proposer.commit(len(PROMPT_T))  # nothing accepted
+        drafts.append(draft.tokens.tolist())
+        proposer.commit(len(PROMPT_T) + 1)  # nothing accepted, the target's own token follows
     assert sizes[0] > sizes[1] == 0
+    # the next step learns how deep the last tree followed the accepted tokens (none here)
+    row = target.forward(torch.tensor([1]), hidden_layers=(-1,)).hidden
+    miss = next(t for t in range(10) if t not in drafts[0])
+    flat.feed(row)
+    flat.propose([*PROMPT_T, 1, miss], 3, GREEDY, make_generator(0))
     assert flat.scale < 1.0 == steep.scale  # a confidence that failed is scaled down
     # a curve that wants no draft: the head rests MIN_IDLE steps, then probes (and rests longer)
-    tokens, row = [*PROMPT_T, 1], target.forward(torch.tensor([1]), hidden_layers=(-1,)).hidden
+    tokens = [*PROMPT_T, 1]
     rest = []
     for _ in range(MIN_IDLE + 1):  # as in the engine: each step's token and its feature
         steep.feed(row)
@@ -216,6 +224,70 @@ def test_greedy_head_speculation_equals_plain_greedy(kind, tree):
     out, steps = decode(target, proposer, 3, GREEDY, 40, make_generator(0))
     assert out == reference
     assert all(s.drafted <= 3 for s in steps)
+
+
+# --- heads + the prompt-lookup branch ----------------------------------------------------
+
+
+def test_graft_shares_matching_nodes_and_match_depth_follows_the_tokens():
+    tokens, parents = [7, 8, 9, 10], [-1, -1, 0, 2]  # 7 -> 9 -> 10 and 8
+    assert graft(tokens, parents, [7, 9, 11, 12]) == ([7, 8, 9, 10, 11, 12],
+                                                      [-1, -1, 0, 2, 2, 4])
+    assert graft(tokens, parents, [5]) == ([7, 8, 9, 10, 5], [-1, -1, 0, 2, -1])
+    assert graft(tokens, parents, [7, 9]) == (tokens, parents)  # already a path
+    assert graft([], [], [4, 5]) == ([4, 5], [-1, 0])
+    assert match_depth(tokens, parents, [7, 9, 10, 3]) == 3
+    assert match_depth(tokens, parents, [8, 1]) == 1
+    assert match_depth(tokens, parents, [1]) == match_depth(tokens, parents, []) == 0
+
+
+def test_lookup_branch_learns_its_acceptance_from_what_followed():
+    branch = LookupBranch(1, 2)
+    seq = [5, 6, 7, 8, 5, 6]
+    chain, scores = branch.propose(seq, 3)
+    assert chain == [7, 8, 5] and scores == pytest.approx([math.log(0.5) * d for d in (1, 2, 3)])
+    branch.propose([*seq, 7, 8, 5, 6], 3)  # the target went on as the chain said: 3 of 3
+    assert branch.acceptance(2) > 0.5 and branch.acceptance(1) == 0.5
+    before = branch.acceptance(2)
+    branch.propose([*seq, 7, 8, 5, 6, 1], 3)  # chain [7, 8, 5] again; the target chose 1
+    assert branch.acceptance(2) < before
+    assert branch.propose([1, 2, 3], 3) == ([], [])  # nothing to look up
+    branch.reset()
+    assert branch.acceptance(2) == 0.5
+
+
+def test_heads_with_lookup_draft_the_continuation_as_a_path():
+    target = tiny_runtime(0)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    for tree in (0, 5):
+        proposer = HeadProposer(random_heads("eagle", target), target.capacity, tree, 2,
+                                lookup=LookupBranch(1, 4))
+        proposer.prefill(prompt)
+        target.truncate(0)
+        proposer.feed(target.forward(torch.tensor(prompt), hidden_layers=(-1,)).hidden)
+        draft = proposer.propose([*prompt, 8], 3, GREEDY, make_generator(0))
+        tree_of = TokenTree.of(draft.parents, len(draft.tokens))
+        toks = draft.tokens.tolist()
+        assert [9, 5, 6] in [[toks[i] for i in p] for p in tree_of.paths()]
+        assert len(toks) <= (tree or 3) + 3 and proposer.name == "eagle+lookup"
+
+
+def test_lookup_is_for_head_methods_only():
+    with pytest.raises(ValueError, match="lookup joins a head method"):
+        SpecConfig("ngram", lookup=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tree", [0, 7, AUTO_TREE])
+def test_greedy_heads_with_lookup_equal_plain_greedy(kind, tree):
+    reference = [t for s in plain_decode(tiny_runtime(0), PROMPT_T, GREEDY, 40, (),
+                                         make_generator(0)) for t in s.tokens]
+    target = tiny_runtime(0)
+    heads = random_heads(kind, target)
+    spec = SpecConfig(kind, 3, tree=tree, tree_topk=3, lookup=True)
+    proposer = PROPOSERS[kind](spec, target, None, heads)
+    out, steps = decode(target, proposer, 3, GREEDY, 40, make_generator(0))
+    assert out == reference and sum(s.drafted for s in steps) > 0
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -303,13 +375,14 @@ def test_tree_verification_accepts_paths_off_the_first_branch():
     assert [s.accepted for s in steps[1:-1]] == [4] * (len(steps) - 2)
 
 
-@pytest.mark.parametrize(("kind", "tree", "sampling"), [
-    ("medusa", 6, SamplingConfig(temperature=1.0)),
-    ("eagle", 5, SamplingConfig(temperature=0.7, top_p=0.9)),
-    ("hydra", 0, SamplingConfig(temperature=1.0)),
-    ("medusa", AUTO_TREE, SamplingConfig(temperature=1.0)),  # sized per step (a flat curve)
+@pytest.mark.parametrize(("kind", "tree", "sampling", "lookup"), [
+    ("medusa", 6, SamplingConfig(temperature=1.0), False),
+    ("eagle", 5, SamplingConfig(temperature=0.7, top_p=0.9), False),
+    ("hydra", 0, SamplingConfig(temperature=1.0), False),
+    ("medusa", AUTO_TREE, SamplingConfig(temperature=1.0), False),  # sized per step (flat curve)
+    ("eagle", AUTO_TREE, SamplingConfig(temperature=1.0), True),  # + the prompt-lookup branch
 ])
-def test_sampling_with_head_trees_matches_target_joint(kind, tree, sampling):
+def test_sampling_with_head_trees_matches_target_joint(kind, tree, sampling, lookup):
     from conftest import tiny_runtime as rt_of
 
     def target():
@@ -319,7 +392,8 @@ def test_sampling_with_head_trees_matches_target_joint(kind, tree, sampling):
     counts, generator = {}, make_generator(2024)
     for _ in range(RUNS):
         t = target()
-        proposer = (HeadProposer(heads, t.capacity, AUTO_TREE, 2, verify=lambda n: 1.0)
+        proposer = (HeadProposer(heads, t.capacity, AUTO_TREE, 2, verify=lambda n: 1.0,
+                                 lookup=LookupBranch() if lookup else None)
                     if tree == AUTO_TREE else
                     PROPOSERS[kind](SpecConfig(kind, 2, tree=tree, tree_topk=2), t, None, heads))
         steps = speculative_decode(t, proposer, FixedK(2), PROMPT, sampling, 3, (), generator)
@@ -441,8 +515,8 @@ def test_train_command_then_generate_with_the_heads(tmp_path):
     assert report["data_tokens"] == 96 and "top1" in report["after"]
     assert (tmp_path / "home" / "heads" / "target" / "eagle" / "head.safetensors").exists()
     r = subprocess.run([*base, "generate", *common, "--heads", out, "--method", "eagle",
-                        "--tree", "auto", "--max-tokens", "12", "--raw", "--compare", "--json",
-                        "hello"], capture_output=True, text=True, timeout=300)
+                        "--tree", "auto", "--lookup", "--max-tokens", "12", "--raw", "--compare",
+                        "--json", "hello"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["identical"] is True
     r = subprocess.run([*base, "generate", *common, "--heads", str(tmp_path), "--method",

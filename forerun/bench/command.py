@@ -61,6 +61,8 @@ def add_bench_parser(sub, add_model_args) -> None:
                    help="head methods (with --heads): draft trees of this many nodes, or auto "
                         "(sized per step from the verify-cost curve); 0 = chains")
     b.add_argument("--tree-topk", type=int, default=4, help="head methods: children per node")
+    b.add_argument("--lookup", action="store_true",
+                   help="head methods: add the prompt-lookup continuation as one more branch")
     b.add_argument("--repeats", type=int, default=1,
                    help="run every prompt's round of methods this many times (each in its own "
                         "order) and keep each method's median-wall run: for noisy machines")
@@ -88,7 +90,7 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(methods=_csv(args.methods), ks=_csv(args.ks, int),
                       temperatures=_csv(args.temperatures, float), policies=_csv(args.policies),
                       max_tokens=args.max_tokens, seed=args.seed, tree=args.tree,
-                      tree_topk=args.tree_topk, repeats=args.repeats)
+                      tree_topk=args.tree_topk, lookup=args.lookup, repeats=args.repeats)
     cfg.cells()  # validates method names and k before anything loads
     from forerun.cli import load_config  # cli imports this module
 

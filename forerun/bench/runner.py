@@ -40,6 +40,7 @@ class BenchConfig:
     seed: int = 0
     tree: int = 0  # head methods: draft-tree node budget (0 = chains)
     tree_topk: int = 4
+    lookup: bool = False  # head methods: with the prompt-lookup branch
     repeats: int = 1  # rounds per prompt; each cell keeps its median-wall run
 
     def __post_init__(self):
@@ -52,11 +53,13 @@ class BenchConfig:
         if unknown:
             raise ValueError(f"unknown policy {sorted(unknown)}; choose from {list(POLICIES)}")
         def spec(m: str, k: int, p: str) -> tuple[str, SpecConfig]:
-            tree = self.tree if m in HEAD_KINDS else 0
+            head = m in HEAD_KINDS
+            tree = self.tree if head else 0
             shown = "auto" if tree == AUTO_TREE else tree
-            label = f"{m} k={k}" + (f" tree={shown}" if tree else "") + (
-                "" if p == "fixed" else f" {p}")
-            return label, SpecConfig(m, k, p, tree=tree, tree_topk=self.tree_topk)
+            label = f"{m}{'+lookup' if head and self.lookup else ''} k={k}" + (
+                f" tree={shown}" if tree else "") + ("" if p == "fixed" else f" {p}")
+            return label, SpecConfig(m, k, p, tree=tree, tree_topk=self.tree_topk,
+                                     lookup=head and self.lookup)
 
         return [(BASELINE, SpecConfig("none"))] + [
             spec(m, k, p) for m in self.methods for k in self.ks for p in self.policies]

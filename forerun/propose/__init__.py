@@ -13,7 +13,7 @@ from forerun.profile import calibrated_curve
 from forerun.propose.base import Draft, Proposer
 from forerun.propose.draft_model import DraftModelProposer
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer
-from forerun.propose.ngram import NgramProposer
+from forerun.propose.ngram import LookupBranch, NgramProposer
 from forerun.runtime.base import Runtime
 
 
@@ -27,6 +27,8 @@ class SpecConfig:
     tree: int = 0  # head methods: draft-tree node budget (0 = a chain of k, AUTO_TREE = from
     # the target's verify-cost curve, measured at first use)
     tree_topk: int = 4  # head methods: children kept per expanded tree node
+    lookup: bool = False  # head methods: the prompt-lookup continuation (ngram_min..ngram_max
+    # suffixes, k long) joins each draft as one more branch
 
     def __post_init__(self):
         if self.method != "none" and self.method not in PROPOSERS:
@@ -36,6 +38,9 @@ class SpecConfig:
         if self.tree < AUTO_TREE or self.tree_topk < 1:
             raise ValueError(f"tree must be >= 0 (or AUTO_TREE = {AUTO_TREE}) and tree_topk "
                              f">= 1, got {self.tree}, {self.tree_topk}")
+        if self.lookup and PROPOSERS.get(self.method) is not _heads:
+            raise ValueError(f"lookup joins a head method's drafts (medusa, hydra, eagle, "
+                             f"eagle3), not {self.method!r}; for lookup alone use --method ngram")
 
 
 def tree_budget(text: str) -> int:
@@ -68,8 +73,9 @@ def _heads(spec: SpecConfig, target: Runtime, draft: Runtime | None, heads=None)
     # where each hidden row costs an LM-head row (llama.cpp: ~3 ms a row for the default target
     # here, 0.4 s for a 120-token prompt), heads skip the prompt's features
     prompt_features = not getattr(target, "hidden_rows_cost_logits", False)
+    lookup = LookupBranch(spec.ngram_min, spec.ngram_max) if spec.lookup else None
     return HeadProposer(heads, target.capacity, spec.tree, spec.tree_topk, verify,
-                        prompt_features)
+                        prompt_features, lookup)
 
 
 # method -> factory(spec, target, draft runtime or None, heads or None)

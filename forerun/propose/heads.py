@@ -19,6 +19,10 @@ With tree = AUTO_TREE the node budget is chosen per step from the target's verif
 the most expected tokens per second, the head's path confidences scaled by how well they have
 predicted acceptance so far in this sequence; where it keeps choosing no draft, the head rests
 for a growing number of steps between probes (plain decoding, without the head's cost).
+With a `lookup` branch (heads + prompt lookup) the prompt-lookup continuation joins the tree as
+one more path from the root (sharing the nodes it agrees with), priced by its own measured
+acceptance; the automatic budget then cuts heads' and lookup's nodes by one ranking, and while
+the head rests the lookup chain may still be drafted alone.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import torch
 
 from forerun.heads import Heads
 from forerun.propose.base import Draft
-from forerun.tree import Candidate, best_budget, grow_tree
+from forerun.propose.ngram import LookupBranch
+from forerun.tree import Candidate, best_budget, graft, grow_tree, match_depth
 
 TREE_SLACK = 256  # EAGLE cache slots past the context for a draft tree's nodes
 AUTO_TREE = -1  # SpecConfig.tree: choose each step's node budget from the verify-cost curve
@@ -51,18 +56,20 @@ class HeadProposer:
     runtime = None
 
     def __init__(self, heads: Heads, capacity: int, tree: int = 0, topk: int = 4,
-                 verify=None, prompt_features: bool = True):
+                 verify=None, prompt_features: bool = True, lookup: LookupBranch | None = None):
         """`tree`: node budget (0 = a chain of k, AUTO_TREE = from `verify`, the target's
         seconds per forward of n tokens); `topk`: children per expanded node;
         `prompt_features`: read the prompt's features after prefill (else start drafting from
-        the first generated token's)."""
+        the first generated token's); `lookup`: also draft the prompt-lookup continuation."""
         if tree == AUTO_TREE and verify is None:
             raise ValueError("an automatic tree budget needs the target's verify-cost curve")
         self.heads, self.cfg = heads, heads.cfg
         self.name, self.hidden_layers = self.cfg.kind, self.cfg.layers
         self.tree, self.topk, self.verify = tree, topk, verify
         self.eagle = self.cfg.kind in ("eagle", "eagle3")
-        self.prompt_features = prompt_features
+        self.prompt_features, self.lookup = prompt_features, lookup
+        if lookup is not None:
+            self.name = f"{self.name}+lookup"
         if self.eagle:
             self.k_cache, self.v_cache = heads.new_cache(capacity + TREE_SLACK)
         self.prefill([])
@@ -74,11 +81,15 @@ class HeadProposer:
         # eagle: the sequence position of cache slot 0 (the first generated token's without
         # prompt features)
         self.first = 0 if self.prompt_features else len(prompt)
-        # automatic budget: the confidence scale's discounted evidence, the last draft's
-        # (len(tokens), predicted accepted), steps left resting and the next rest's length
+        # automatic budget: the confidence scale's discounted evidence, the last head draft's
+        # (len(tokens), target ids, parents, predicted accepted), the lookup nodes it took,
+        # steps left resting and the next rest's length
         self.predicted = self.observed = 0.0
-        self._pending: tuple[int, float] | None = None
+        self._pending: tuple[int, list[int], list[int], float] | None = None
+        self._take = 0
         self.idle, self.skip = MIN_IDLE, 0
+        if self.lookup is not None:
+            self.lookup.reset()
 
     def feed(self, hidden: dict[int, torch.Tensor]) -> None:
         if self.eagle:
@@ -88,12 +99,17 @@ class HeadProposer:
 
     def commit(self, num_final: int) -> None:
         self.committed = min(self.committed, num_final - self.first)
-        if self._pending is not None:  # an automatic budget's draft: accepted vs predicted
-            length, predicted = self._pending
-            keep = math.exp(-predicted / CALIBRATION_MEMORY)
-            self.observed = keep * self.observed + max(0, num_final - length)
-            self.predicted = keep * self.predicted + predicted
-            self._pending = None
+
+    def _learn(self, tokens: list[int]) -> None:
+        """An automatic budget's last head draft: how deep its tree followed the accepted
+        tokens (all but the pending one) vs the acceptance its confidences predicted."""
+        if self._pending is None:
+            return
+        length, ids, parents, predicted = self._pending
+        self._pending = None
+        keep = math.exp(-predicted / CALIBRATION_MEMORY)
+        self.observed = keep * self.observed + match_depth(ids, parents, tokens[length:-1])
+        self.predicted = keep * self.predicted + predicted
 
     @property
     def scale(self) -> float:
@@ -102,11 +118,14 @@ class HeadProposer:
 
     @torch.inference_mode()
     def propose(self, tokens, k, sampling, generator) -> Draft:
+        self._learn(tokens)
+        chain, chain_scores = self.lookup.propose(tokens, k) if self.lookup and k else ([], [])
         if k == 0 or (self.last is None and not self.waiting and not self.committed):
-            return Draft.empty()  # no feature yet: the first step after a featureless prefill
+            # no feature yet (the first step after a featureless prefill): lookup alone
+            return self._lookup_only(chain, chain_scores)
         if self.skip > 0:  # the verify curve has not wanted a draft lately
             self.skip -= 1
-            return Draft.empty()
+            return self._lookup_only(chain, chain_scores)
         pending = torch.tensor(tokens[-1:])  # [1]
         if self.eagle:
             root, expand = self._eagle(tokens)
@@ -117,23 +136,40 @@ class HeadProposer:
         k = min(k, self.cfg.num_heads) if not self.eagle else k
         budget = self.tree or k
         topk = self.topk if self.tree else 1
+        self._take = len(chain)
         if self.tree == AUTO_TREE:
-            budget = self._auto_budget(len(tokens))
+            budget = self._auto_budget(chain_scores)
         ids, parents = grow_tree(root, expand, depth=k, topk=topk, beam=topk, budget=budget)
+        draft = self.heads.vocab_ids[torch.tensor(ids, dtype=torch.long)].tolist()  # target ids
         if self.tree == AUTO_TREE:  # nothing worth verifying: rest, and rest longer next time
             self.skip, self.idle = (self.idle, min(2 * self.idle, MAX_IDLE)) if not ids else (
                 0, MIN_IDLE)
-        draft = self.heads.vocab_ids[torch.tensor(ids, dtype=torch.long)]  # [N] target ids
-        return Draft(draft, None, torch.tensor(parents) if self.tree else None)
+            if ids:
+                self._pending = (len(tokens), draft, parents, self._predicted)
+        if self._take:
+            draft, parents = graft(draft, parents, chain[:self._take])
+        tree = self.tree or self.lookup is not None
+        return Draft(torch.tensor(draft, dtype=torch.long), None,
+                     torch.tensor(parents, dtype=torch.long) if tree else None)
 
-    def _auto_budget(self, length: int):
-        """grow_tree's budget: the verify curve's best cut of the AUTO_TREE_MAX likeliest."""
-        scale = self.scale
+    def _lookup_only(self, chain: list[int], scores: list[float]) -> Draft:
+        """A step without the head: the lookup chain, cut by the verify curve when automatic."""
+        n = best_budget(scores, self.verify) if self.tree == AUTO_TREE else len(chain)
+        return Draft(torch.tensor(chain[:n], dtype=torch.long))
+
+    def _auto_budget(self, chain_scores: list[float]):
+        """grow_tree's budget: the verify curve's best cut of the AUTO_TREE_MAX likeliest head
+        nodes (confidences times the measured scale) and the lookup chain's nodes, ranked
+        together; sets how many lookup nodes join (`_take`) and the head's prediction."""
+        shift = math.log(self.scale)
 
         def choose(scores: list[float]) -> int:
-            n = best_budget(scores[:AUTO_TREE_MAX], self.verify, scale)
-            self._pending = (length, sum(math.exp(s) for s in scores[:n]))
-            return n
+            ranked = sorted([(s + shift, True) for s in scores[:AUTO_TREE_MAX]]
+                            + [(s, False) for s in chain_scores], key=lambda x: -x[0])
+            n = best_budget([s for s, _ in ranked], self.verify)
+            heads = sum(is_head for _, is_head in ranked[:n])
+            self._take, self._predicted = n - heads, sum(math.exp(s) for s in scores[:heads])
+            return heads
 
         return choose
 

@@ -3,11 +3,14 @@ the sequence's suffix. Free to run, deterministic (q = None), strong on edits an
 
 Owns: the suffix matcher. Tries suffix lengths from `max_n` down to `min_n`, and for the longest
 suffix that occurred before, proposes up to k tokens that followed its most recent occurrence.
+Also `LookupBranch`: the same continuation as one more branch of a head's draft tree, with a
+running acceptance estimate per suffix length that prices its nodes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -16,9 +19,20 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from forerun.propose.base import Draft
 
+# LookupBranch's acceptance estimate per suffix length: a prior worth PRIOR_TRIALS positions at
+# LOOKUP_PRIOR, then evidence discounted by e^-1 per LOOKUP_MEMORY newer positions.
+LOOKUP_PRIOR = 0.5
+PRIOR_TRIALS = 2.0
+LOOKUP_MEMORY = 16.0
+
 
 def find_continuation(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
     """[L] token ids -> up to k ids that followed the latest earlier match of the longest suffix."""
+    return find_match(tokens, k, min_n, max_n)[0]
+
+
+def find_match(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[np.ndarray, int]:
+    """find_continuation's ids and the length of the suffix they matched (0: none)."""
     length = tokens.shape[0]
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n:]
@@ -26,8 +40,8 @@ def find_continuation(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.
         starts = np.flatnonzero((windows == suffix).all(axis=1))
         if starts.size:
             begin = starts[-1] + n  # the latest occurrence is the most relevant one
-            return tokens[begin:begin + k]
-    return tokens[:0]
+            return tokens[begin:begin + k], n
+    return tokens[:0], 0
 
 
 @dataclass
@@ -50,3 +64,58 @@ class NgramProposer:
 
     def commit(self, num_final: int) -> None:
         pass
+
+
+@dataclass
+class LookupBranch:
+    """The prompt-lookup continuation as a branch of another drafter's tree (heads + lookup).
+
+    Its nodes are priced like a head's: the node at depth d scores d * log(a_n), with a_n the
+    running per-token acceptance of continuations found by an n-token suffix. The estimate
+    learns every step, drafted or not: the last continuation is compared with the tokens the
+    target then produced (accepted ones and its own next token), up to the first difference.
+    """
+
+    min_n: int = 1
+    max_n: int = 4
+    stats: dict[int, list[float]] = field(default_factory=dict)  # n -> [accepted, trials]
+    _last: tuple[int, list[int], int] | None = None  # (len(tokens), continuation, n)
+
+    def __post_init__(self):
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"need 1 <= ngram min ({self.min_n}) <= ngram max ({self.max_n})")
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats = {n: [0.0, 0.0] for n in range(self.min_n, self.max_n + 1)}
+        self._last = None
+
+    def acceptance(self, n: int) -> float:
+        accepted, trials = self.stats[n]
+        return (accepted + LOOKUP_PRIOR * PRIOR_TRIALS) / (trials + PRIOR_TRIALS)
+
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
+        """Up to k ids to follow `tokens`, and each one's path log-probability of acceptance."""
+        self._learn(tokens)
+        found, n = find_match(np.asarray(tokens, dtype=np.int64), k, self.min_n, self.max_n)
+        if not n or not len(found):
+            return [], []
+        chain = found.tolist()
+        self._last = (len(tokens), chain, n)
+        step = math.log(max(self.acceptance(n), 1e-9))
+        return chain, [d * step for d in range(1, len(chain) + 1)]
+
+    def _learn(self, tokens: list[int]) -> None:
+        if self._last is None:
+            return
+        length, chain, n = self._last
+        self._last = None
+        truth = tokens[length:length + len(chain)]  # what the target chose after the chain's root
+        matched = 0
+        while matched < len(truth) and chain[matched] == truth[matched]:
+            matched += 1
+        observed = matched + (matched < len(truth))  # a difference is one rejected position
+        keep = math.exp(-observed / LOOKUP_MEMORY)
+        stat = self.stats[n]
+        stat[0] = keep * stat[0] + matched
+        stat[1] = keep * stat[1] + observed

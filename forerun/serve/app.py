@@ -233,7 +233,8 @@ def resolve_spec(field: Speculation | None, default: SpecConfig, *, has_draft: b
                        param="speculation.ngram_min")
     k = default.k if field.k is None else field.k
     return SpecConfig(method, k, policy, ngram_min, ngram_max, default.tree,
-                      default.tree_topk), field.stream_stats
+                      default.tree_topk, default.lookup and method in HEAD_KINDS), \
+        field.stream_stats
 
 
 async def collect(request: Request, queue: asyncio.Queue[Event], shape: Shape, n: int,
