@@ -26,7 +26,9 @@ from forerun.runtime.base import Runtime
 
 FILLER_SEED = 0  # the context tokens are a fixed pseudo-random sequence: any ids time the same
 CALIBRATION_CONTEXT = 200  # cached tokens in front of the timed ones, as in a short chat
-CALIBRATION_REPS = 3  # timed forwards per size at first use (the median is kept)
+# timed forwards per size at first use; the fastest is kept: a busy machine only ever adds time,
+# and one slow one-token pass would make every longer verify look cheap (drafting at a loss)
+CALIBRATION_REPS = 5
 CALIBRATION_WARMUP = 1  # untimed forwards per size first (allocator, kernel selection)
 DENSE_SIZES = 4  # calibrate every size up to this, then doubling sizes and the largest one
 
@@ -67,12 +69,13 @@ class ForwardCurve:
 
 def measure_forward_curve(runtime: Runtime, sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
                           context: int = CALIBRATION_CONTEXT, reps: int = 5,
-                          warmup: int = 1) -> ForwardCurve:
+                          warmup: int = 1, statistic=statistics.median) -> ForwardCurve:
     """Time one forward over `size` new tokens after `context` cached ones, for each size.
 
-    The context shrinks to fit the cache if it must. Each size keeps the median of `reps` timed
-    passes after `warmup` untimed ones; the cache is truncated back to the context between
-    passes, and to 0 at the end.
+    The context shrinks to fit the cache if it must. Passes run in rounds over all sizes (so a
+    slow spell of the machine touches every size, not one), `warmup` untimed rounds first; each
+    size keeps `statistic` (median; min for calibration) of its `reps` timed passes. The cache
+    is truncated back to the context between passes, and to 0 at the end.
     """
     sizes = tuple(sorted(set(sizes)))
     if not sizes or sizes[0] < 1 or sizes[-1] > runtime.capacity:
@@ -86,17 +89,16 @@ def measure_forward_curve(runtime: Runtime, sizes: tuple[int, ...] = (1, 2, 4, 8
     try:
         if context:
             runtime.forward(ids[:context], last_only=True)
-        seconds = []
-        for size in sizes:
-            times = []
-            for rep in range(warmup + reps):
+        times: list[list[float]] = [[] for _ in sizes]
+        for rep in range(warmup + reps):
+            for i, size in enumerate(sizes):
                 start = perf_counter()
                 runtime.forward(ids[context:context + size])  # logits for every token, as verify
                 elapsed = perf_counter() - start
                 runtime.truncate(context)
                 if rep >= warmup:
-                    times.append(elapsed)
-            seconds.append(statistics.median(times))
+                    times[i].append(elapsed)
+        seconds = [statistic(t) for t in times]
     finally:
         runtime.truncate(0)
     return ForwardCurve(sizes, tuple(seconds))
@@ -129,6 +131,7 @@ def calibrated_curve(runtime: Runtime, max_tokens: int) -> ForwardCurve:
     curve = _curves.get(runtime)
     if curve is None or curve.sizes[-1] < max_tokens:
         curve = measure_forward_curve(runtime, calibration_sizes(max_tokens),
-                                      reps=CALIBRATION_REPS, warmup=CALIBRATION_WARMUP)
+                                      reps=CALIBRATION_REPS, warmup=CALIBRATION_WARMUP,
+                                      statistic=min)
         _curves[runtime] = curve
     return curve

@@ -161,6 +161,7 @@ class ClockRuntime:
     def __init__(self, capacity: int = 256):
         self.config, self.capacity, self.length = tiny_config(), capacity, 0
         self.now, self.forwards = 0.0, []  # (cache length before, tokens)
+        self.delay = lambda: 0.0  # extra seconds a pass takes (a busy machine)
 
     def clock(self) -> float:
         return self.now
@@ -169,7 +170,7 @@ class ClockRuntime:
         assert tokens.max() < self.config.vocab_size
         self.forwards.append((self.length, tokens.shape[0]))
         self.length += tokens.shape[0]
-        self.now += self.BASE + self.PER_TOKEN * tokens.shape[0]
+        self.now += self.BASE + self.PER_TOKEN * tokens.shape[0] + self.delay()
         return ForwardOutput(torch.zeros(tokens.shape[0], self.config.vocab_size))
 
     def truncate(self, length: int) -> None:
@@ -189,8 +190,20 @@ def test_measure_forward_curve_times_each_size_after_the_context(clock_runtime):
     assert curve.sizes == (1, 2, 4)
     assert curve.seconds == tuple(rt.BASE + rt.PER_TOKEN * n for n in (1, 2, 4))
     assert rt.forwards[0] == (0, 30)  # the context, then every pass right after it
-    assert rt.forwards[1:] == [(30, n) for n in (1, 2, 4) for _ in range(1 + 3)]
+    # rounds over all sizes (a slow spell touches every size), a warm-up round first
+    assert rt.forwards[1:] == [(30, n) for _ in range(1 + 3) for n in (1, 2, 4)]
     assert rt.length == 0
+
+
+def test_calibration_keeps_each_size_s_fastest_pass(clock_runtime):
+    """One slow one-token pass (the machine busy) must not make longer verifies look cheap."""
+    rt = clock_runtime
+    # the context, the warm-up round (1, 2), then three of five timed one-token passes slow
+    slow = iter([0.0, 0.0, 0.0, 5.0, 0.0, 5.0, 0.0, 5.0, 0.0])
+    base = rt.BASE
+    rt.delay = lambda: next(slow, 0.0)
+    curve = calibrated_curve(rt, 2)
+    assert curve.seconds == pytest.approx((base + rt.PER_TOKEN, base + 2 * rt.PER_TOKEN))
 
 
 def test_measure_forward_curve_fits_the_context_into_the_cache(clock_runtime):
