@@ -163,20 +163,21 @@ def grow_tree(
 
 
 def best_budget(scores: list[float], verify: Callable[[float], float], scale: float = 1.0,
-                ) -> int:
+                overhead: float = 0.0) -> int:
     """How many of the likeliest nodes a verify pass should carry, from its cost curve.
 
     `scores`: path log-probabilities under the drafter, best first; exp(score) estimates the
     chance the target accepts that node (EAGLE-2: draft confidence tracks acceptance), times
     `scale`, a measured correction. Keeping the n best nodes then yields
     E[tokens] = 1 + scale * (exp(s_1) + ... + exp(s_n)) per pass of n + 1 tokens costing
-    verify(n + 1) seconds; returns the n (0 = plain decoding) with the most tokens per second.
+    verify(n + 1) seconds, plus `overhead`, the drafter's own seconds a step (which a plain
+    step does not pay); returns the n (0 = plain decoding) with the most tokens per second.
     A steep curve (a CPU) keeps trees small; a flat one (a GPU) lets them grow.
     """
     best_n, best_rate, expected = 0, 1.0 / verify(1), 1.0
     for n, score in enumerate(scores, start=1):
         expected += scale * math.exp(score)
-        rate = expected / verify(n + 1)
+        rate = expected / (verify(n + 1) + overhead)
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n

@@ -28,7 +28,7 @@ from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, MIN_IDLE, HeadProposer
-from forerun.propose.ngram import LookupBranch
+from forerun.propose.ngram import LOOKUP_PRIOR, LookupBranch
 from forerun.reference import plain_decode
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.train import TrainConfig, chat_prompts, corpus_vocab, teacher, train
@@ -178,6 +178,10 @@ def test_best_budget_follows_the_verify_curve():
     # a less trusted drafter: 1.45/1.3 beats 1.7/1.6
     assert best_budget(scores, lambda n: 1 + 0.3 * (n - 1), scale=0.5) == 1
     assert best_budget([], lambda n: 1.0) == 0
+    # the drafter's own seconds a step count against drafting (2.6/3.3 at best < 1/1, plain)
+    assert best_budget(scores, lambda n: 1 + 0.1 * (n - 1), overhead=2.0) == 0
+    # and, paid once a step, favour more nodes: 2.6/1.4 > 2.4/1.3
+    assert best_budget(scores, lambda n: 1 + 0.1 * (n - 1), overhead=0.1) == 3
 
 
 def test_auto_tree_budget_is_cut_by_the_curve_and_calibrated():
@@ -245,15 +249,16 @@ def test_lookup_branch_learns_its_acceptance_from_what_followed():
     branch = LookupBranch(1, 2)
     seq = [5, 6, 7, 8, 5, 6]
     chain, scores = branch.propose(seq, 3)
-    assert chain == [7, 8, 5] and scores == pytest.approx([math.log(0.5) * d for d in (1, 2, 3)])
+    assert chain == [7, 8, 5]
+    assert scores == pytest.approx([math.log(LOOKUP_PRIOR) * d for d in (1, 2, 3)])
     branch.propose([*seq, 7, 8, 5, 6], 3)  # the target went on as the chain said: 3 of 3
-    assert branch.acceptance(2) > 0.5 and branch.acceptance(1) == 0.5
+    assert branch.acceptance(2) > LOOKUP_PRIOR and branch.acceptance(1) == LOOKUP_PRIOR
     before = branch.acceptance(2)
     branch.propose([*seq, 7, 8, 5, 6, 1], 3)  # chain [7, 8, 5] again; the target chose 1
     assert branch.acceptance(2) < before
     assert branch.propose([1, 2, 3], 3) == ([], [])  # nothing to look up
     branch.reset()
-    assert branch.acceptance(2) == 0.5
+    assert branch.acceptance(2) == LOOKUP_PRIOR
 
 
 def test_heads_with_lookup_draft_the_continuation_as_a_path():

@@ -17,8 +17,9 @@ proposals: lossless under sampling too.
 With tree = AUTO_TREE the node budget is chosen per step from the target's verify-cost curve
 (`forerun.tree.best_budget`): the tree is grown to AUTO_TREE_MAX nodes, then cut to the size with
 the most expected tokens per second, the head's path confidences scaled by how well they have
-predicted acceptance so far in this sequence; where it keeps choosing no draft, the head rests
-for a growing number of steps between probes (plain decoding, without the head's cost).
+predicted acceptance so far in this sequence, and the head's own measured seconds a step added
+to a drafting step's cost; where it keeps choosing no draft, the head rests for a growing
+number of steps between probes (plain decoding, without the head's cost).
 With a `lookup` branch (heads + prompt lookup) the prompt-lookup continuation joins the tree as
 one more path from the root (sharing the nodes it agrees with), priced by its own measured
 acceptance; the automatic budget then cuts heads' and lookup's nodes by one ranking, and while
@@ -28,6 +29,7 @@ the head rests the lookup chain may still be drafted alone.
 from __future__ import annotations
 
 import math
+from time import perf_counter
 
 import torch
 
@@ -43,6 +45,7 @@ AUTO_TREE_MAX = 32  # nodes grown before an automatic budget cuts the tree
 # predicted tokens at scale 1, discounted by e^-1 per CALIBRATION_MEMORY newer predictions.
 CALIBRATION_PRIOR = 2.0
 CALIBRATION_MEMORY = 32.0
+HEAD_SECONDS_MEMORY = 0.2  # weight of the newest step in the head's running seconds a step
 # Where the curve keeps choosing no draft at all (a steep CPU curve), the head is not run for the
 # next `idle` steps (features wait, EAGLE's backlog is absorbed in one batched step), then it
 # probes again; `idle` doubles after each empty probe, up to MAX_IDLE, and resets on a draft.
@@ -88,6 +91,7 @@ class HeadProposer:
         self._pending: tuple[int, list[int], list[int], float] | None = None
         self._take = 0
         self.idle, self.skip = MIN_IDLE, 0
+        self.head_seconds = 0.0  # running seconds the head spends a drafting step
         if self.lookup is not None:
             self.lookup.reset()
 
@@ -126,6 +130,7 @@ class HeadProposer:
         if self.skip > 0:  # the verify curve has not wanted a draft lately
             self.skip -= 1
             return self._lookup_only(chain, chain_scores)
+        started = perf_counter()
         pending = torch.tensor(tokens[-1:])  # [1]
         if self.eagle:
             root, expand = self._eagle(tokens)
@@ -140,6 +145,9 @@ class HeadProposer:
         if self.tree == AUTO_TREE:
             budget = self._auto_budget(chain_scores)
         ids, parents = grow_tree(root, expand, depth=k, topk=topk, beam=topk, budget=budget)
+        elapsed = perf_counter() - started
+        self.head_seconds += HEAD_SECONDS_MEMORY * (elapsed - self.head_seconds) \
+            if self.head_seconds else elapsed
         draft = self.heads.vocab_ids[torch.tensor(ids, dtype=torch.long)].tolist()  # target ids
         if self.tree == AUTO_TREE:  # nothing worth verifying: rest, and rest longer next time
             self.skip, self.idle = (self.idle, min(2 * self.idle, MAX_IDLE)) if not ids else (
@@ -166,7 +174,7 @@ class HeadProposer:
         def choose(scores: list[float]) -> int:
             ranked = sorted([(s + shift, True) for s in scores[:AUTO_TREE_MAX]]
                             + [(s, False) for s in chain_scores], key=lambda x: -x[0])
-            n = best_budget([s for s, _ in ranked], self.verify)
+            n = best_budget([s for s, _ in ranked], self.verify, overhead=self.head_seconds)
             heads = sum(is_head for _, is_head in ranked[:n])
             self._take, self._predicted = n - heads, sum(math.exp(s) for s in scores[:heads])
             return heads

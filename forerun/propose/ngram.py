@@ -20,8 +20,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 from forerun.propose.base import Draft
 
 # LookupBranch's acceptance estimate per suffix length: a prior worth PRIOR_TRIALS positions at
-# LOOKUP_PRIOR, then evidence discounted by e^-1 per LOOKUP_MEMORY newer positions.
-LOOKUP_PRIOR = 0.5
+# LOOKUP_PRIOR, then evidence discounted by e^-1 per LOOKUP_MEMORY newer positions. The prior is
+# low: evidence comes every step for free, while a draft on a cold guess costs a verify row
+# (on chat, where lookup rarely pays, cold guesses were most of its drafts).
+LOOKUP_PRIOR = 0.25
 PRIOR_TRIALS = 2.0
 LOOKUP_MEMORY = 16.0
 
