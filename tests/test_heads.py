@@ -28,7 +28,7 @@ from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, MIN_IDLE, HeadProposer
-from forerun.propose.ngram import LOOKUP_PRIOR, LookupBranch
+from forerun.propose.ngram import LOOKUP_PRIOR_PER_N, LookupBranch
 from forerun.reference import plain_decode
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.train import TrainConfig, chat_prompts, corpus_vocab, teacher, train
@@ -250,15 +250,17 @@ def test_lookup_branch_learns_its_acceptance_from_what_followed():
     seq = [5, 6, 7, 8, 5, 6]
     chain, scores = branch.propose(seq, 3)
     assert chain == [7, 8, 5]
-    assert scores == pytest.approx([math.log(LOOKUP_PRIOR) * d for d in (1, 2, 3)])
+    cold = 2 * LOOKUP_PRIOR_PER_N  # the prior of a 2-token suffix's continuations
+    assert scores == pytest.approx([math.log(cold) * d for d in (1, 2, 3)])
+    assert branch.acceptance(1) < cold  # a shorter matched suffix is trusted less
     branch.propose([*seq, 7, 8, 5, 6], 3)  # the target went on as the chain said: 3 of 3
-    assert branch.acceptance(2) > LOOKUP_PRIOR and branch.acceptance(1) == LOOKUP_PRIOR
+    assert branch.acceptance(2) > cold and branch.acceptance(1) == LOOKUP_PRIOR_PER_N
     before = branch.acceptance(2)
     branch.propose([*seq, 7, 8, 5, 6, 1], 3)  # chain [7, 8, 5] again; the target chose 1
     assert branch.acceptance(2) < before
     assert branch.propose([1, 2, 3], 3) == ([], [])  # nothing to look up
     branch.reset()
-    assert branch.acceptance(2) == LOOKUP_PRIOR
+    assert branch.acceptance(2) == cold
 
 
 def test_heads_with_lookup_draft_the_continuation_as_a_path():

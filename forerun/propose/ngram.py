@@ -19,11 +19,12 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from forerun.propose.base import Draft
 
-# LookupBranch's acceptance estimate per suffix length: a prior worth PRIOR_TRIALS positions at
-# LOOKUP_PRIOR, then evidence discounted by e^-1 per LOOKUP_MEMORY newer positions. The prior is
-# low: evidence comes every step for free, while a draft on a cold guess costs a verify row
-# (on chat, where lookup rarely pays, cold guesses were most of its drafts).
-LOOKUP_PRIOR = 0.25
+# LookupBranch's acceptance estimate per suffix length n: a prior worth PRIOR_TRIALS positions
+# at LOOKUP_PRIOR_PER_N * n (at most LOOKUP_PRIOR_MAX: a longer matched suffix is a likelier
+# continuation), then evidence discounted by e^-1 per LOOKUP_MEMORY newer positions. Priors are
+# low: evidence comes every step for free, while a draft on a cold guess costs a verify row.
+LOOKUP_PRIOR_PER_N = 0.125
+LOOKUP_PRIOR_MAX = 0.5
 PRIOR_TRIALS = 2.0
 LOOKUP_MEMORY = 16.0
 
@@ -94,7 +95,8 @@ class LookupBranch:
 
     def acceptance(self, n: int) -> float:
         accepted, trials = self.stats[n]
-        return (accepted + LOOKUP_PRIOR * PRIOR_TRIALS) / (trials + PRIOR_TRIALS)
+        prior = min(LOOKUP_PRIOR_PER_N * n, LOOKUP_PRIOR_MAX)
+        return (accepted + prior * PRIOR_TRIALS) / (trials + PRIOR_TRIALS)
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
         """Up to k ids to follow `tokens`, and each one's path log-probability of acceptance."""
