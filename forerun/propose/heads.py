@@ -45,6 +45,9 @@ AUTO_TREE_MAX = 32  # nodes grown before an automatic budget cuts the tree
 # predicted tokens at scale 1, discounted by e^-1 per CALIBRATION_MEMORY newer predictions.
 CALIBRATION_PRIOR = 2.0
 CALIBRATION_MEMORY = 32.0
+# With a lookup branch, k sizes the lookup chain; the head's own tree stays at most this deep
+# (its acceptance past the third token is small here, and every level costs a head step).
+LOOKUP_HEAD_DEPTH = 5
 HEAD_SECONDS_MEMORY = 0.2  # weight of the newest step in the head's running seconds a step
 # Where the curve keeps choosing no draft at all (a steep CPU curve), the head is not run for the
 # next `idle` steps (features wait, EAGLE's backlog is absorbed in one batched step), then it
@@ -139,6 +142,8 @@ class HeadProposer:
         else:
             root, expand = self._hydra(pending)
         k = min(k, self.cfg.num_heads) if not self.eagle else k
+        if self.lookup is not None:
+            k = min(k, LOOKUP_HEAD_DEPTH)
         budget = self.tree or k
         topk = self.topk if self.tree else 1
         self._take = len(chain)
