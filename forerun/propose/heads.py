@@ -92,7 +92,7 @@ class HeadProposer:
         # steps left resting and the next rest's length
         self.predicted = self.observed = 0.0
         self._pending: tuple[int, list[int], list[int], float] | None = None
-        self._take = 0
+        self._take, self._predicted = 0, 0.0
         self.idle, self.skip = MIN_IDLE, 0
         self.head_seconds = 0.0  # running seconds the head spends a drafting step
         if self.lookup is not None:
@@ -151,8 +151,8 @@ class HeadProposer:
             budget = self._auto_budget(chain_scores)
         ids, parents = grow_tree(root, expand, depth=k, topk=topk, beam=topk, budget=budget)
         elapsed = perf_counter() - started
-        self.head_seconds += HEAD_SECONDS_MEMORY * (elapsed - self.head_seconds) \
-            if self.head_seconds else elapsed
+        self.head_seconds = elapsed if not self.head_seconds else (
+            self.head_seconds + HEAD_SECONDS_MEMORY * (elapsed - self.head_seconds))
         draft = self.heads.vocab_ids[torch.tensor(ids, dtype=torch.long)].tolist()  # target ids
         if self.tree == AUTO_TREE:  # nothing worth verifying: rest, and rest longer next time
             self.skip, self.idle = (self.idle, min(2 * self.idle, MAX_IDLE)) if not ids else (
