@@ -14,7 +14,6 @@ and the runtime the proposer runs per drafted token (None for a free drafter suc
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -22,6 +21,7 @@ from typing import Protocol
 
 from forerun.profile import ForwardCurve, calibrated_curve
 from forerun.propose import SpecConfig
+from forerun.propose.base import AcceptanceEstimate
 from forerun.runtime.base import Runtime
 
 # The cost policy's acceptance estimate: a prior worth PRIOR_TRIALS draft positions, then
@@ -87,21 +87,28 @@ class CostModelK:
     k_max: int
     verify: ForwardCurve  # target seconds per forward over n tokens: a step verifies k + 1
     draft_seconds: float = 0.0  # per drafted token; 0 for a free drafter (n-gram)
-    accepted: float = field(default=0.0, init=False)  # discounted accepted draft positions
-    trials: float = field(default=0.0, init=False)  # discounted observed draft positions
+    estimate: AcceptanceEstimate = field(init=False)
     _plain_steps: int = field(default=0, init=False)
     _probe_every: int = field(default=PROBE_EVERY, init=False)
     _probing: bool = field(default=False, init=False)
 
     def __post_init__(self):
+        self.estimate = AcceptanceEstimate(ACCEPTANCE_PRIOR, PRIOR_TRIALS, ACCEPTANCE_MEMORY)
         seconds = [self.verify(k + 1) + k * self.draft_seconds for k in range(self.k_max + 1)]
         # timing noise must not make a longer draft look cheaper than a shorter one
         self._step_seconds = list(accumulate(seconds, max))  # [k_max + 1]
 
     @property
     def acceptance(self) -> float:
-        prior = ACCEPTANCE_PRIOR * PRIOR_TRIALS
-        return (self.accepted + prior) / (self.trials + PRIOR_TRIALS)
+        return self.estimate.rate
+
+    @property
+    def accepted(self) -> float:  # discounted accepted draft positions
+        return self.estimate.accepted
+
+    @property
+    def trials(self) -> float:  # discounted observed draft positions
+        return self.estimate.trials
 
     def best_k(self) -> int:
         """The k with the most expected tokens per second; ties go to the shorter draft."""
@@ -123,12 +130,7 @@ class CostModelK:
             grown = min(2 * self._probe_every, MAX_PROBE_EVERY)
             self._probe_every = grown if accepted < drafted else PROBE_EVERY
         self._probing = False
-        # A rejection at position j shows positions < j accepted and j rejected; later
-        # positions were never tested, so they are no evidence either way.
-        observed = accepted + (accepted < drafted)
-        keep = math.exp(-observed / ACCEPTANCE_MEMORY)
-        self.accepted = keep * self.accepted + accepted
-        self.trials = keep * self.trials + observed
+        self.estimate.observe(accepted, drafted)
 
 
 PolicyFactory = Callable[[SpecConfig, Runtime, Runtime | None], LengthPolicy]

@@ -190,7 +190,7 @@ def graft(tokens: list[int], parents: list[int], chain: list[int]) -> tuple[list
     tokens, parents = list(tokens), list(parents)
     node = -1
     for token in chain:
-        child = next((i for i, p in enumerate(parents) if p == node and tokens[i] == token), None)
+        child = _child(tokens, parents, node, token)
         if child is None:
             tokens.append(token)
             parents.append(node)
@@ -205,8 +205,13 @@ def match_depth(tokens: list[int], parents: list[int], truth: list[int]) -> int:
     accepted path's length)."""
     node, depth = -1, 0
     for token in truth:
-        node = next((i for i, p in enumerate(parents) if p == node and tokens[i] == token), None)
+        node = _child(tokens, parents, node, token)
         if node is None:
             break
         depth += 1
     return depth
+
+
+def _child(tokens: list[int], parents: list[int], node: int, token: int) -> int | None:
+    """The child of `node` (-1 = the root) holding `token`, if there is one."""
+    return next((i for i, p in enumerate(parents) if p == node and tokens[i] == token), None)

@@ -229,8 +229,8 @@ def test_greedy_head_speculation_equals_plain_greedy(kind, tree, lookup):
     proposer = PROPOSERS[kind](spec, target, None, heads)
     out, steps = decode(target, proposer, 3, GREEDY, 40, make_generator(0))
     assert out == reference and all(s.drafted <= 3 for s in steps)
-    if lookup or tree != AUTO_TREE:  # an automatic budget may find random heads not worth it
-        assert sum(s.drafted for s in steps) > 0
+    if tree != AUTO_TREE:  # an automatic budget, on this machine's measured curve, may draft
+        assert sum(s.drafted for s in steps) > 0  # nothing (it is checked on fixed curves)
 
 
 # --- heads + the prompt-lookup branch ----------------------------------------------------

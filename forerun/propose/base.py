@@ -3,10 +3,13 @@
 Owns: the seam every drafting method plugs into. A proposer sees the whole token sequence so far
 (prompt + output), proposes up to k next tokens, and is told after verification how much of the
 sequence is final so it can roll back any state (a KV cache) built on rejected tokens.
+Also `AcceptanceEstimate`, the running per-token acceptance that prices drafts (the cost length
+policy, the lookup branch of a head's tree).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +35,30 @@ class Draft:
             return self
         return Draft(self.tokens[:room], None if self.q is None else self.q[:room],
                      None if self.parents is None else self.parents[:room])
+
+
+@dataclass
+class AcceptanceEstimate:
+    """P(a draft token is accepted): a prior worth `prior_trials` positions at `prior`, then
+    evidence discounted by e^-1 per `memory` newer positions (it follows the text)."""
+
+    prior: float
+    prior_trials: float
+    memory: float
+    accepted: float = 0.0  # discounted accepted draft positions
+    trials: float = 0.0  # discounted observed draft positions
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + self.prior * self.prior_trials) / (self.trials + self.prior_trials)
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        """`accepted` of `drafted` positions, in order: a rejection at position j shows
+        positions < j accepted and j rejected; later positions were never tested."""
+        observed = accepted + (accepted < drafted)
+        keep = math.exp(-observed / self.memory)
+        self.accepted = keep * self.accepted + accepted
+        self.trials = keep * self.trials + observed
 
 
 class Proposer(Protocol):

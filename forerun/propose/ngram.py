@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from forerun.propose.base import Draft
+from forerun.propose.base import AcceptanceEstimate, Draft
 
 # LookupBranch's acceptance estimate per suffix length n: a prior worth PRIOR_TRIALS positions
 # at LOOKUP_PRIOR_PER_N * n (at most LOOKUP_PRIOR_MAX: a longer matched suffix is a likelier
@@ -27,6 +27,11 @@ LOOKUP_PRIOR_PER_N = 0.125
 LOOKUP_PRIOR_MAX = 0.5
 PRIOR_TRIALS = 2.0
 LOOKUP_MEMORY = 16.0
+
+
+def check_suffix_range(min_n: int, max_n: int) -> None:
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"need 1 <= ngram min ({min_n}) <= ngram max ({max_n})")
 
 
 def find_continuation(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
@@ -55,8 +60,7 @@ class NgramProposer:
     runtime: ClassVar[None] = None  # no model: drafting costs no forward passes
 
     def __post_init__(self):
-        if not 1 <= self.min_n <= self.max_n:
-            raise ValueError(f"need 1 <= ngram min ({self.min_n}) <= ngram max ({self.max_n})")
+        check_suffix_range(self.min_n, self.max_n)
 
     def prefill(self, prompt: list[int]) -> None:
         pass
@@ -81,22 +85,21 @@ class LookupBranch:
 
     min_n: int = 1
     max_n: int = 4
-    stats: dict[int, list[float]] = field(default_factory=dict)  # n -> [accepted, trials]
+    stats: dict[int, AcceptanceEstimate] = field(default_factory=dict)  # per suffix length
     _last: tuple[int, list[int], int] | None = None  # (len(tokens), continuation, n)
 
     def __post_init__(self):
-        if not 1 <= self.min_n <= self.max_n:
-            raise ValueError(f"need 1 <= ngram min ({self.min_n}) <= ngram max ({self.max_n})")
+        check_suffix_range(self.min_n, self.max_n)
         self.reset()
 
     def reset(self) -> None:
-        self.stats = {n: [0.0, 0.0] for n in range(self.min_n, self.max_n + 1)}
+        self.stats = {n: AcceptanceEstimate(min(LOOKUP_PRIOR_PER_N * n, LOOKUP_PRIOR_MAX),
+                                            PRIOR_TRIALS, LOOKUP_MEMORY)
+                      for n in range(self.min_n, self.max_n + 1)}
         self._last = None
 
     def acceptance(self, n: int) -> float:
-        accepted, trials = self.stats[n]
-        prior = min(LOOKUP_PRIOR_PER_N * n, LOOKUP_PRIOR_MAX)
-        return (accepted + prior * PRIOR_TRIALS) / (trials + PRIOR_TRIALS)
+        return self.stats[n].rate
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
         """Up to k ids to follow `tokens`, and each one's path log-probability of acceptance."""
@@ -118,8 +121,4 @@ class LookupBranch:
         matched = 0
         while matched < len(truth) and chain[matched] == truth[matched]:
             matched += 1
-        observed = matched + (matched < len(truth))  # a difference is one rejected position
-        keep = math.exp(-observed / LOOKUP_MEMORY)
-        stat = self.stats[n]
-        stat[0] = keep * stat[0] + matched
-        stat[1] = keep * stat[1] + observed
+        self.stats[n].observe(matched, len(truth))
