@@ -10,24 +10,27 @@ LLAMA_VERSION := 0.3.36
 LLAMA_BUILD := build/llama-cpp-python
 LLAMA_SRC := $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_VERSION)
 LLAMA_CMAKE_ARGS ?=
+# our changes to it, applied in name order: -amx (AMX tile fixes and kernel choice), -hidden
+# (every row's hidden state without its logits, for the heads)
+LLAMA_PATCHES := $(sort $(wildcard patches/llama-cpp-python-$(LLAMA_VERSION)-*.patch))
 PROMPT ?= Refactor this function to use a dataclass:\n\ndef make_user(name, email, age):\n    return {\"name\": name, \"email\": email, \"age\": age}\n\ndef describe(user):\n    return f\"{user['name']} <{user['email']}> is {user['age']}\"
 
 .PHONY: install run test lint clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml patches/llama-cpp-python-$(LLAMA_VERSION)-amx.patch
+$(VENV)/.installed: pyproject.toml $(LLAMA_PATCHES)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[dev]"
-	# the llama.cpp runtime: llama-cpp-python's source with our AMX fix (patches/), compiled
+	# the llama.cpp runtime: llama-cpp-python's source with our patches (patches/), compiled
 	# here (~7 min on 2 cores); then the extra, already satisfied, is recorded
 	rm -rf $(LLAMA_BUILD) && mkdir -p $(LLAMA_BUILD)
 	$(PY) -m pip download --quiet --no-deps --no-binary :all: -d $(LLAMA_BUILD) \
 		"llama-cpp-python==$(LLAMA_VERSION)"
 	tar -xzf $(LLAMA_SRC).tar.gz -C $(LLAMA_BUILD)
-	patch --quiet -d $(LLAMA_SRC) -p1 < patches/llama-cpp-python-$(LLAMA_VERSION)-amx.patch
+	for p in $(LLAMA_PATCHES); do patch --quiet -d $(LLAMA_SRC) -p1 < $$p || exit 1; done
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet --no-cache-dir $(LLAMA_SRC)
 	$(PY) -m pip install --quiet -e ".[llama]"
 	touch $@

@@ -300,17 +300,40 @@ def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kin
     assert runs[0][1] == runs[1][1] and any(runs[0][1])
 
 
-def test_heads_skip_the_prompt_features_on_llama_cpp(rt):
-    """Each hidden row costs llama.cpp an LM-head row: the factory's heads skip the prompt's
-    features there (the prefill stays plain's one pass), and read them on torch."""
+def test_prefill_hidden_states_cost_no_logits_and_change_none(rt, data):
+    """With forerun's patch (patches/*-hidden.patch) a last_only prefill reads every row's
+    hidden state without computing their logits: the last row's logits are those of the same
+    prefill without hidden states, to the bit, and the states those of an every-row pass."""
+    if rt.hidden_rows_cost_logits:
+        pytest.skip("llama-cpp-python built without forerun's -hidden patch")
+    prompt, _ = data
+    rt.truncate(0)
+    plain = rt.forward(prompt, last_only=True)
+    rt.truncate(0)
+    last = rt.forward(prompt, last_only=True, hidden_layers=(-1,))
+    rt.truncate(0)
+    every = rt.forward(prompt, hidden_layers=(-1,))
+    rt.truncate(0)
+    assert torch.equal(last.logits, plain.logits)
+    assert torch.allclose(last.hidden[-1], every.hidden[-1], atol=TREE_ATOL, rtol=0)
+
+
+def test_heads_read_the_prompt_features_where_they_cost_no_logits(rt, monkeypatch):
+    """The factory's heads read the prompt's features on torch and on a patched llama.cpp;
+    where each hidden row would cost an LM-head row (llama.cpp without the patch) they skip
+    them, and the prefill stays plain's one pass."""
     from conftest import random_heads, tiny_runtime
 
     from forerun.propose import PROPOSERS, SpecConfig
 
     for kind in ("medusa", "eagle"):
         heads, spec = random_heads(kind, tiny_runtime(0)), SpecConfig(kind, 3)
-        assert PROPOSERS[kind](spec, rt, None, heads).prompt_features is False
         assert PROPOSERS[kind](spec, tiny_runtime(0), None, heads).prompt_features is True
+        assert PROPOSERS[kind](spec, rt, None, heads).prompt_features is (
+            not rt.hidden_rows_cost_logits)
+        with monkeypatch.context() as m:
+            m.setattr(rt, "hidden_rows_cost_logits", True)
+            assert PROPOSERS[kind](spec, rt, None, heads).prompt_features is False
 
 
 def test_train_collects_features_on_llama_cpp(source, tmp_path):

@@ -11,7 +11,8 @@ Owns: how runs become figures. For each (temperature, category, label):
 - identical = share of greedy runs whose token ids equal their baseline's; `divergences` lists
   the others: where each parted from plain and plain's logit margin there.
 A category named "mean" is added: the unweighted mean of the per-category speedups (Spec-Bench's
-headline figure) and medians of the rest.
+headline figure) and medians of the rest, over every category but EditEval's, which stands as
+its own figure (a mean over both workloads would be neither's).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rich.table import Table
 from forerun.bench.runner import BASELINE, Run
 
 MEAN = "mean"
+OWN_FIGURE = frozenset({"editeval"})  # categories left out of the mean
 
 
 @dataclass(frozen=True)
@@ -83,13 +85,16 @@ def aggregate(runs: list[Run]) -> list[Cell]:
 
 
 def _means(cells: list[Cell]) -> list[Cell]:
-    """The unweighted mean over categories, per (temperature, label)."""
+    """The unweighted mean over categories (but OWN_FIGURE's), per (temperature, label)."""
     by: dict[tuple, list[Cell]] = {}
     for c in cells:
         by.setdefault((c.temperature, c.label), []).append(c)
     out = []
     for (temp, label), cs in by.items():
         if len(cs) < 2:
+            continue
+        cs = [c for c in cs if c.category not in OWN_FIGURE]
+        if not cs:
             continue
 
         def mean(xs: Iterable[float | None]) -> float | None:

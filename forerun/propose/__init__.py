@@ -70,8 +70,8 @@ def _heads(spec: SpecConfig, target: Runtime, draft: Runtime | None, heads=None)
         raise ValueError(f"--heads holds {heads.cfg.kind} heads, not {spec.method}; use "
                          f"--method {heads.cfg.kind}")
     verify = calibrated_curve(target, AUTO_TREE_MAX + 1) if spec.tree == AUTO_TREE else None
-    # where each hidden row costs an LM-head row (llama.cpp: ~3 ms a row for the default target
-    # here, 0.4 s for a 120-token prompt), heads skip the prompt's features
+    # where each hidden row costs an LM-head row (stock llama.cpp: ~3 ms a row for the default
+    # target here, 0.4 s for a 120-token prompt), heads skip the prompt's features
     prompt_features = not getattr(target, "hidden_rows_cost_logits", False)
     lookup = LookupBranch(spec.ngram_min, spec.ngram_max) if spec.lookup else None
     return HeadProposer(heads, target.capacity, spec.tree, spec.tree_topk, verify,

@@ -31,7 +31,11 @@ Differences from TorchRuntime, all explicit errors rather than silent fallbacks:
   8 bits inside llama.cpp's matmuls); logits come back float32;
 - hidden states: only the final normed layer (-1), which llama.cpp exposes as its embeddings,
   and only of output rows, whose logits it then computes too (an LM-head row each, ~3 ms for
-  the default target here): `hidden_rows_cost_logits` tells heads to skip the prompt's;
+  the default target here). forerun's llama.cpp patch (patches/*-hidden.patch) adds every
+  row's state without logits to the dense qwen2 and llama graphs (~1/n_layer more prefill: the
+  last layer's FFN over all rows): a `last_only` forward that wants hidden states (a head's
+  prefill) takes it, and its logits are plain's to the bit; elsewhere
+  `hidden_rows_cost_logits` tells heads to skip the prompt's;
 - a tree pass puts each row at start + its depth (positions are checked, not free); it keeps
   one branch at a time (`keep` of a root-to-node path; `truncate` into a tree pass only where its
   first rows form one); and has at most MAX_TREE_LEAVES leaves (ValueError above);
@@ -170,10 +174,28 @@ class _Weights:
         weakref.finalize(self, C.llama_model_free, self.model)
 
 
+def _hidden_all_rows(model) -> tuple | None:
+    """The patch's (set, get) pair for every row's final normed hidden state, where this build
+    has it and the model's graph fills it (dense qwen2 and llama); else None."""
+    try:
+        lib = C._lib
+        supported = lib.forerun_hidden_all_rows_supported
+        on, get = lib.forerun_hidden_all_rows, lib.forerun_get_hidden_all_rows
+    except AttributeError:  # llama-cpp-python built without forerun's patch
+        return None
+    supported.argtypes, supported.restype = [C.llama_model_p_ctypes], ctypes.c_bool
+    if not supported(model):
+        return None
+    on.argtypes, on.restype = [C.llama_context_p_ctypes, ctypes.c_bool], None
+    get.argtypes, get.restype = [C.llama_context_p_ctypes], ctypes.POINTER(ctypes.c_float)
+    return on, get
+
+
 class LlamaCppRuntime:
     """Runtime over a llama.cpp context: one sequence, a KV cache of `capacity` positions."""
 
-    # llama.cpp returns hidden states only of output rows, whose logits it computes too
+    # stock llama.cpp returns hidden states only of output rows, whose logits it computes too;
+    # an instance with the patch's all-rows states (`_all_rows`) clears it
     hidden_rows_cost_logits = True
 
     def __init__(self, path: Path, config: ModelConfig, capacity: int, *,
@@ -195,6 +217,8 @@ class LlamaCppRuntime:
             raise RuntimeError(f"llama.cpp reads {self.vocab_size} tokens from {path}, the GGUF "
                                f"metadata says {config.vocab_size}")
         self.dim = C.llama_model_n_embd(self._model)
+        self._all_rows = _hidden_all_rows(self._model)
+        self.hidden_rows_cost_logits = self._all_rows is None
         self._open_context()
 
     def _open_context(self) -> None:
@@ -322,24 +346,27 @@ class LlamaCppRuntime:
                 f"llama.cpp exposes only the final normed hidden state (layer -1), "
                 f"not layers {unavailable}")
         want_hidden = FINAL_NORMED in hidden_layers
+        # every row's state without its logits (the patch) where only the last row's are wanted;
+        # else llama.cpp's embeddings, which come only with every row an output
+        all_rows = self._all_rows if want_hidden and last_only else None
         ids = np.asarray(tokens.cpu(), dtype=np.int32)  # [T]
         if T and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         logits, hidden = [], []
-        if want_hidden:
-            C.llama_set_embeddings(self._ctx, True)
+        self._hidden_mode(want_hidden, all_rows, True)
         try:
             for seq in range(SEQ + 1, SEQ + tree.leaves) if tree else ():
                 C.llama_memory_seq_cp(self._memory, SEQ, seq, -1, -1)  # the committed cache
             for begin in range(0, T, self.batch_size):
                 end = min(T, begin + self.batch_size)
                 keep = (1 if end == T else 0) if last_only else end - begin
-                # llama.cpp returns embeddings only with every token of the batch an output
-                rows = end - begin if want_hidden else keep
+                rows = end - begin if want_hidden and not all_rows else keep
                 self._decode(ids[begin:end], start + begin, rows, tree)
                 if keep:
                     logits.append(self._read(C.llama_get_logits, rows, self.vocab_size, keep))
-                if want_hidden:  # every row, even under last_only (a head's prefill needs them)
+                if all_rows:
+                    hidden.append(self._read(all_rows[1], end - begin, self.dim, end - begin))
+                elif want_hidden:  # every row, even under last_only (a head's prefill needs them)
                     hidden.append(self._read(C.llama_get_embeddings, rows, self.dim, rows))
         except BaseException:
             if tree:
@@ -347,8 +374,7 @@ class LlamaCppRuntime:
             C.llama_memory_seq_rm(self._memory, SEQ, start, -1)  # forget the partial chunks
             raise
         finally:
-            if want_hidden:
-                C.llama_set_embeddings(self._ctx, False)
+            self._hidden_mode(want_hidden, all_rows, False)
         self._length, self._tree = start + T, tree
         if T == 0:
             logits, hidden = [torch.empty(0, self.vocab_size)], [torch.empty(0, self.dim)]
@@ -356,6 +382,12 @@ class LlamaCppRuntime:
         if want_hidden:
             out.hidden[FINAL_NORMED] = torch.cat(hidden)  # [T, D], every row
         return out
+
+    def _hidden_mode(self, want_hidden: bool, all_rows: tuple | None, on: bool) -> None:
+        if all_rows:
+            all_rows[0](self._ctx, on)
+        elif want_hidden:
+            C.llama_set_embeddings(self._ctx, on)
 
     def _tree_pass(self, start: int, T: int, positions, tree_mask) -> _TreePass | None:
         """The sequences of a tree forward, or None for a chain (a tree of one leaf is one);
