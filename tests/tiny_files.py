@@ -3,6 +3,7 @@ same weights as a Hugging Face directory (config.json + safetensors + tokenizer.
 file (with llama.cpp's q/k row permutation)."""
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -66,17 +67,62 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
              .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_gguf(path, weights, tokens, merges=()):
-    """`merges`: BPE merges ("a b"); llama.cpp refuses to load a file with none."""
+@dataclass(frozen=True)
+class Quantized:
+    """A GGUF tensor already in a quantized type: `data` its blocks' bytes, [rows, row bytes]."""
+    data: np.ndarray
+    qtype: int  # gguf.GGMLQuantizationType
+
+
+def random_kquant_weights(vocab: int, dim: int, layers: int, ffn: int, seed: int = 0):
+    """Llama weights whose matrices are random Q4_K blocks and the LM head random Q6_K blocks
+    (the K-quants of a Q4_K_M file), each block's scale set so activations stay O(1); the
+    embeddings and norms float32. Shapes for llama.cpp's AMX buffers: dim and ffn multiples of
+    256, vocab of 32."""
     import gguf
 
+    rng = np.random.default_rng(seed)
+
+    def kquant(rows: int, cols: int, qtype) -> Quantized:
+        block, per_row = gguf.GGML_QUANT_SIZES[qtype][1], cols // 256
+        data = rng.integers(0, 256, (rows, per_row, block), dtype=np.uint8)
+        scale = np.frombuffer(np.float16(0.5 / np.sqrt(cols)).tobytes(), np.uint8)
+        if qtype == gguf.GGMLQuantizationType.Q4_K:  # d, dmin, scales[12], qs[128]
+            data[:, :, 0:2], data[:, :, 2:4] = scale, scale
+        else:  # Q6_K: ql[128], qh[64], scales[16] (int8, kept small), d
+            data[:, :, 192:208] = rng.integers(0, 16, (rows, per_row, 16), dtype=np.uint8)
+            data[:, :, 208:210] = scale
+        return Quantized(data.reshape(rows, per_row * block), qtype)
+
+    q4, q6 = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+    w = {"model.embed_tokens.weight": torch.from_numpy(rng.standard_normal((vocab, dim),
+                                                                            np.float32)),
+         "model.norm.weight": torch.ones(dim), "lm_head.weight": kquant(vocab, dim, q6)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": torch.ones(dim),
+              p + "post_attention_layernorm.weight": torch.ones(dim)}
+        w |= {p + name: kquant(rows, cols, q4) for name, rows, cols in (
+            ("self_attn.q_proj.weight", dim, dim), ("self_attn.k_proj.weight", dim, dim),
+            ("self_attn.v_proj.weight", dim, dim), ("self_attn.o_proj.weight", dim, dim),
+            ("mlp.gate_proj.weight", ffn, dim), ("mlp.up_proj.weight", ffn, dim),
+            ("mlp.down_proj.weight", dim, ffn))}
+    return w
+
+
+def write_gguf(path, weights, tokens, merges=(), shape=(DIM, LAYERS, HEADS, KV_HEADS, FFN)):
+    """`merges`: BPE merges ("a b"); llama.cpp refuses to load a file with none; `shape`:
+    (dim, layers, heads, kv heads, ffn); a `Quantized` weight is written as it is."""
+    import gguf
+
+    dim, layers, heads, kv_heads, ffn = shape
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(layers)
     writer.add_context_length(CTX)
-    writer.add_embedding_length(DIM)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer.add_embedding_length(dim)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_tokenizer_model("gpt2")
@@ -94,16 +140,20 @@ def write_gguf(path, weights, tokens, merges=()):
                  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight":
                  "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
     for key, tensor in weights.items():
-        array = tensor.numpy()
         if key in names:
-            writer.add_tensor(names[key], array)
+            name = names[key]
+        else:
+            layer, sub = key.split(".")[2], ".".join(key.split(".")[3:])
+            name = f"blk.{layer}.{per_layer[sub]}"
+        if isinstance(tensor, Quantized):  # random blocks: no row order to keep
+            writer.add_tensor(name, tensor.data, raw_dtype=tensor.qtype)
             continue
-        layer, sub = key.split(".")[2], ".".join(key.split(".")[3:])
-        if sub.endswith("q_proj.weight"):
-            array = llama_cpp_permute(array, HEADS)
-        elif sub.endswith("k_proj.weight"):
-            array = llama_cpp_permute(array, KV_HEADS)
-        writer.add_tensor(f"blk.{layer}.{per_layer[sub]}", np.ascontiguousarray(array))
+        array = tensor.numpy()
+        if name.endswith("attn_q.weight"):
+            array = llama_cpp_permute(array, heads)
+        elif name.endswith("attn_k.weight"):
+            array = llama_cpp_permute(array, kv_heads)
+        writer.add_tensor(name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

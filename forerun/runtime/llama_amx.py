@@ -33,7 +33,9 @@ from pathlib import Path
 
 ENV = "FORERUN_LLAMA_AMX"  # on | off | auto (default: probe)
 CACHE_FILE = "llama_cpp_amx.json"
-PROBE_TOKENS = 8  # a batch of several rows: the tile path (one row takes AVX512-VNNI)
+# a batch past the rows that take AVX512-VNNI kernels (up to 32 in forerun's patch,
+# GGML_AMX_VNNI_ROWS): the tile path, where the faults were
+PROBE_TOKENS = 48
 PROBE_TIMEOUT_S = 300
 MIN_COSINE = 0.99  # AMX vs plain kernels: both quantize activations to 8 bits; garbage is ~0
 # GGML types that llama.cpp 0.3.36 repacks for AMX (ggml-cpu/amx/common.h):
