@@ -300,12 +300,16 @@ def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kin
     assert runs[0][1] == runs[1][1] and any(runs[0][1])
 
 
-def test_prefill_hidden_states_cost_no_logits_and_change_none(rt, data):
+@pytest.mark.parametrize("batch", [None, 8])
+def test_prefill_hidden_states_cost_no_logits_and_change_none(source, rt, data, batch):
     """With forerun's patch (patches/*-hidden.patch) a last_only prefill reads every row's
     hidden state without computing their logits: the last row's logits are those of the same
-    prefill without hidden states, to the bit, and the states those of an every-row pass."""
+    prefill without hidden states, to the bit, and the states those of an every-row pass; in
+    one llama_decode and in chunks (batch 8 < the 20-token prompt)."""
     if rt.hidden_rows_cost_logits:
         pytest.skip("llama-cpp-python built without forerun's -hidden patch")
+    if batch:
+        rt = LlamaCppRuntime(source.path, rt.config, rt.capacity, batch=batch)
     prompt, _ = data
     rt.truncate(0)
     plain = rt.forward(prompt, last_only=True)
@@ -314,6 +318,7 @@ def test_prefill_hidden_states_cost_no_logits_and_change_none(rt, data):
     rt.truncate(0)
     every = rt.forward(prompt, hidden_layers=(-1,))
     rt.truncate(0)
+    assert last.hidden[-1].shape == (PROMPT_LEN, rt.dim)
     assert torch.equal(last.logits, plain.logits)
     assert torch.allclose(last.hidden[-1], every.hidden[-1], atol=TREE_ATOL, rtol=0)
 
