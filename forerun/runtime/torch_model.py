@@ -83,9 +83,14 @@ class PackedLinear(nn.Module):
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """oneDNN packs float32 on any CPU, bfloat16 only where it has bf16 kernels (AVX512-BW/VL/DQ
+    or AVX-NE-CONVERT: an AVX2-only CPU raises on the reorder, so it keeps nn.Linear)."""
+    if not (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def prepack_linears(model: nn.Module) -> None:
