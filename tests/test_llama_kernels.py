@@ -1,0 +1,93 @@
+"""The multi-row kernels our llama.cpp patches add (patches/): each gives, for every row of a
+pass, the logits of llama.cpp's one-row kernel to the bit, so a verify pass costs less without
+changing a number. Checked on a random Q4_K/Q6_K model (the K-quants of a Q4_K_M file), each
+setting in a child process (the kernels read their switches once per process):
+
+- AVX2 (any x86 CPU without AMX): q4_K passes of 2-32 rows (instead of ggml's gemm on groups of
+  4 and gemv on the rest) and q6_K matmuls of 2+ rows (the LM head, instead of the one-row loop
+  and the tiled path) unpack each weight block once; GGML_Q4_K_COLS=0 / GGML_Q6_K_COLS=0 restore
+  ggml's paths. Since every row is then the one-row kernel's, a verify pass of up to 32 tokens
+  gives plain decoding's logits, to the bit.
+- AMX: the fused VNNI rows (GGML_AMX_VNNI_PER_ROW=1 restores the per-row loop,
+  GGML_AMX_VNNI_ROWS=1 the tiles).
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tiny_files import SPECIAL, byte_tokens, random_kquant_weights, write_gguf
+
+from forerun.runtime import llama_amx
+
+pytest.importorskip("llama_cpp")
+
+CHILD = """
+import sys, numpy as np, torch
+from forerun.models.load import open_model
+rt = open_model(sys.argv[1]).load(runtime="llama.cpp", context=128)
+rt.forward(torch.arange(3, 23), last_only=True)
+out = {}
+for n in map(int, sys.argv[3:]):
+    rt.truncate(20)
+    out[str(n)] = rt.forward(torch.arange(40, 40 + n)).logits.numpy()
+rt.truncate(20)  # the same tokens one at a time: plain decoding's passes
+out["one_by_one"] = np.concatenate([rt.forward(torch.tensor([40 + i])).logits.numpy()
+                                    for i in range(max(map(int, sys.argv[3:])))])
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory):
+    tokens = byte_tokens()[:-len(SPECIAL)]
+    tokens = [*tokens, "ab", *[f"<x{i}>" for i in range(-(len(tokens) + 1 + len(SPECIAL)) % 32)],
+              *SPECIAL]
+    dim, layers, ffn = 256, 2, 512
+    path = tmp_path_factory.mktemp("kquant") / "kquant.gguf"
+    write_gguf(path, random_kquant_weights(len(tokens), dim, layers, ffn), tokens,
+               merges=["a b"], shape=(dim, layers, 4, 4, ffn))
+    return path
+
+
+def run_child(path, out, passes, **env):
+    env = {**os.environ, llama_amx.ENV: "on", **env}
+    subprocess.run([sys.executable, "-c", CHILD, str(path), str(out), *map(str, passes)],
+                   env=env, check=True, timeout=300)
+    return np.load(out)
+
+
+AVX2_PASSES = (2, 3, 4, 5, 9, 16, 17, 32)  # q4_K: one group, two near-equal groups, the cap
+
+
+@pytest.mark.skipif(llama_amx.cpu_has_amx(), reason="AMX CPUs take the AMX kernels instead")
+def test_avx2_multi_row_kernels_give_the_one_row_kernels_logits(kquant_gguf, tmp_path):
+    fused = run_child(kquant_gguf, tmp_path / "fused.npz", AVX2_PASSES)
+    loops = run_child(kquant_gguf, tmp_path / "loops.npz", AVX2_PASSES,
+                      GGML_Q4_K_COLS="0", GGML_Q6_K_COLS="0")
+    for n in map(str, AVX2_PASSES):
+        assert np.isfinite(fused[n]).all() and fused[n].std() > 0.1, n
+        # ggml's gemm sums in another order than its gemv: its passes of 4+ rows differ a little
+        np.testing.assert_allclose(fused[n], loops[n], atol=1e-3 * np.abs(fused[n]).max())
+        # the fused kernels' rows are the one-row kernels': a pass equals one token at a time
+        assert np.array_equal(fused[n], fused["one_by_one"][:int(n)]), n
+    assert np.array_equal(loops["3"], loops["one_by_one"][:3])  # gemv rows only: exact too
+
+
+AMX_PASSES = (2, 3, 5, 9, 12, 13, 25, 33)  # tokens a pass: one fused group, two, three; tiles
+
+
+@pytest.mark.skipif(not llama_amx.cpu_has_amx(), reason="the AMX kernels run on AMX CPUs only")
+def test_fused_vnni_rows_give_the_one_row_kernel_s_logits(kquant_gguf, tmp_path):
+    """Passes of 2-33 tokens through the fused kernels (default), the one-row kernel per row and
+    the tiles give the same logits, the first two to the bit."""
+    runs = {name: run_child(kquant_gguf, tmp_path / f"{name}.npz", AMX_PASSES, **extra)
+            for name, extra in (("fused", {}), ("per_row", {"GGML_AMX_VNNI_PER_ROW": "1"}),
+                                ("tiles", {"GGML_AMX_VNNI_ROWS": "1"}))}
+    for n in map(str, AMX_PASSES):
+        fused = runs["fused"][n]
+        assert np.isfinite(fused).all() and fused.std() > 0.1, n
+        assert np.array_equal(fused, runs["per_row"][n]), n
+        np.testing.assert_allclose(fused, runs["tiles"][n], atol=1e-3 * np.abs(fused).max())
