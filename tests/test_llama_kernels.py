@@ -3,11 +3,12 @@ pass, the logits of llama.cpp's one-row kernel to the bit, so a verify pass cost
 changing a number. Checked on a random Q4_K/Q6_K model (the K-quants of a Q4_K_M file), each
 setting in a child process (the kernels read their switches once per process):
 
-- AVX2 (any x86 CPU without AMX): q4_K passes of 2-32 rows (instead of ggml's gemm on groups of
+- AVX2 (any x86 CPU without AMX): q4_K passes of 2-48 rows (instead of ggml's gemm on groups of
   4 and gemv on the rest) and q6_K matmuls of 2+ rows (the LM head, instead of the one-row loop
   and the tiled path) unpack each weight block once; GGML_Q4_K_COLS=0 / GGML_Q6_K_COLS=0 restore
-  ggml's paths. Since every row is then the one-row kernel's, a verify pass of up to 32 tokens
-  gives plain decoding's logits, to the bit.
+  ggml's paths. Since every row is then the one-row kernel's (and, with the patch, a one-row
+  attention past 512 cached tokens is no longer split by KV chunks where every thread has heads
+  of its own), a verify pass of up to 48 tokens gives plain decoding's logits, to the bit.
 - AMX: the fused VNNI rows (GGML_AMX_VNNI_PER_ROW=1 restores the per-row loop,
   GGML_AMX_VNNI_ROWS=1 the tiles).
 """
@@ -27,13 +28,14 @@ pytest.importorskip("llama_cpp")
 CHILD = """
 import sys, numpy as np, torch
 from forerun.models.load import open_model
-rt = open_model(sys.argv[1]).load(runtime="llama.cpp", context=128)
-rt.forward(torch.arange(3, 23), last_only=True)
+rt = open_model(sys.argv[1]).load(runtime="llama.cpp", context=1024)
+# past 512 cached tokens, where ggml splits a one-row attention over the threads by KV chunks
+rt.forward(torch.arange(600) % 200 + 3, last_only=True)
 out = {}
 for n in map(int, sys.argv[3:]):
-    rt.truncate(20)
+    rt.truncate(600)
     out[str(n)] = rt.forward(torch.arange(40, 40 + n)).logits.numpy()
-rt.truncate(20)  # the same tokens one at a time: plain decoding's passes
+rt.truncate(600)  # the same tokens one at a time: plain decoding's passes
 out["one_by_one"] = np.concatenate([rt.forward(torch.tensor([40 + i])).logits.numpy()
                                     for i in range(max(map(int, sys.argv[3:])))])
 np.savez(sys.argv[2], **out)
@@ -48,7 +50,7 @@ def kquant_gguf(tmp_path_factory):
     dim, layers, ffn = 256, 2, 512
     path = tmp_path_factory.mktemp("kquant") / "kquant.gguf"
     write_gguf(path, random_kquant_weights(len(tokens), dim, layers, ffn), tokens,
-               merges=["a b"], shape=(dim, layers, 4, 4, ffn))
+               merges=["a b"], shape=(dim, layers, 4, 4, ffn), context=1024)
     return path
 
 
@@ -59,7 +61,7 @@ def run_child(path, out, passes, **env):
     return np.load(out)
 
 
-AVX2_PASSES = (2, 3, 4, 5, 9, 16, 17, 32)  # q4_K: one group, two near-equal groups, the cap
+AVX2_PASSES = (2, 3, 4, 5, 9, 16, 17, 33)  # q4_K: one group, two and three near-equal groups
 
 
 @pytest.mark.skipif(llama_amx.cpu_has_amx(), reason="AMX CPUs take the AMX kernels instead")

@@ -110,7 +110,8 @@ def random_kquant_weights(vocab: int, dim: int, layers: int, ffn: int, seed: int
     return w
 
 
-def write_gguf(path, weights, tokens, merges=(), shape=(DIM, LAYERS, HEADS, KV_HEADS, FFN)):
+def write_gguf(path, weights, tokens, merges=(), shape=(DIM, LAYERS, HEADS, KV_HEADS, FFN),
+               context=CTX):
     """`merges`: BPE merges ("a b"); llama.cpp refuses to load a file with none; `shape`:
     (dim, layers, heads, kv heads, ffn); a `Quantized` weight is written as it is."""
     import gguf
@@ -118,7 +119,7 @@ def write_gguf(path, weights, tokens, merges=(), shape=(DIM, LAYERS, HEADS, KV_H
     dim, layers, heads, kv_heads, ffn = shape
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(layers)
-    writer.add_context_length(CTX)
+    writer.add_context_length(context)
     writer.add_embedding_length(dim)
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(heads)
