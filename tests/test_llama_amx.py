@@ -4,6 +4,7 @@ every machine with our build: on AMX CPUs the tiles, elsewhere the AVX repack). 
 kernels' own tests are in test_llama_kernels.py."""
 
 import json
+
 import pytest
 from tiny_files import byte_tokens, random_hf_weights, write_gguf
 
