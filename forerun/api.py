@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from forerun.engine import speculative_decode
-from forerun.heads import PRECISIONS, Heads, load_heads
+from forerun.heads import PRECISIONS, Heads, load_heads, w8a8_available
 from forerun.metrics import GenerationStats, Step
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
 from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model, resolve_dtype, target_io
@@ -92,12 +92,16 @@ class CappedK:
 
 def head_precision(name: str) -> str:
     """LoadConfig.head_precision resolved: auto = int8 where the CPU (heads draft on the CPU)
-    multiplies bfloat16 fast and torch has the int8 weight-only kernel, else float32. Measured
-    here: an EAGLE draft step 7.9 ms in float32 (LM slice bfloat16), ~2.5 ms in int8."""
+    multiplies bfloat16 fast and torch has the int8 weight-only kernel, else w8a8 where torch
+    has fbgemm (x86), else float32. Measured: an EAGLE draft step 7.9 ms in float32 (LM slice
+    bfloat16), ~2.5 ms in int8 on an AVX512-BF16 EPYC; on an AVX2-only Zen 3 a chain of 4 steps
+    53 ms in float32, 22 ms in int8, w8a8 in the README (scripts/head_cost.py)."""
     if name != "auto":
         return name
-    fast = resolve_dtype("auto", "cpu") == "bfloat16"
-    return "int8" if fast and hasattr(torch.ops.aten, "_weight_int8pack_mm") else "float32"
+    if resolve_dtype("auto", "cpu") == "bfloat16" and hasattr(torch.ops.aten,
+                                                              "_weight_int8pack_mm"):
+        return "int8"
+    return "w8a8" if w8a8_available() else "float32"
 
 
 def check_same_vocabulary(target: ModelSource, draft: ModelSource) -> None:

@@ -25,6 +25,7 @@ its LM head turns into p(x_{t+1})); e(x) = the target's embedding of token x.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,7 +38,9 @@ from forerun.runtime.base import ModelConfig
 from forerun.runtime.torch_model import Block, rms_norm, rope_tables
 
 KINDS = ("medusa", "hydra", "eagle", "eagle3")
-PRECISIONS = ("float32", "bfloat16", "int8")  # a draft step's weights (Heads.for_drafting)
+PRECISIONS = ("float32", "bfloat16", "int8", "w8a8")  # a draft step's weights (for_drafting)
+# modules whose linears read the target's features (or the feature plus a residual) directly
+FEATURE_READERS = ("fc", "fuse", "blocks")
 CONFIG_FILE, WEIGHTS_FILE = "head_config.json", "head.safetensors"
 
 
@@ -86,31 +89,59 @@ class DraftLinear(nn.Module):
     """A trained linear layer (or the LM-head slice) in a cheaper form for drafting. A draft
     step multiplies one to a few rows by each weight, so it is bound by the bytes of weights it
     reads: bfloat16 halves float32's, int8 (symmetric, one scale per output row, weight-only as
-    in gpt-fast's int8 mode) quarters them. Activations go in as bfloat16 and come out as
-    float32; norms, attention and residuals stay float32. Measured here (2-core EPYC,
-    AVX512-BF16), one row through the 16,384 x 1536 LM slice: float32 6.4 ms, bfloat16 2.3 ms,
-    int8 1.1 ms."""
+    in gpt-fast's int8 mode) quarters them; activations go in as bfloat16. w8a8 keeps int8's
+    weights and also quantizes the activations (one scale per call, fbgemm's dynamic quantized
+    linear: integer dot products, no bfloat16 anywhere), for CPUs without fast bfloat16. Outputs
+    are float32; norms, attention and residuals stay float32. One row through the 16,384 x 1536
+    LM slice, median ms: 2-core EPYC with AVX512-BF16: float32 6.4, bfloat16 2.3, int8 1.1;
+    2-core EPYC Zen 3 (AVX2 only): float32 5.5, bfloat16 3.6, int8 1.6, w8a8 0.39."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, precision: str):
         super().__init__()
         w = weight.detach().float()  # [O, I]
         self.precision, self.out_features = precision, w.shape[0]
-        if precision == "int8":
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        if precision in ("int8", "w8a8"):
             scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127  # [O]
-            self.register_buffer("weight", (w / scale[:, None]).round().to(torch.int8))
+            q = (w / scale[:, None]).round().to(torch.int8)  # [O, I]
+            if precision == "w8a8":
+                self.packed = pack_w8a8(q, scale, self.bias)
+                return
+            self.register_buffer("weight", q)
             self.register_buffer("scale", scale.bfloat16())
         else:
             self.register_buffer("weight", w.bfloat16())
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).bfloat16()  # [R, I]
+        rows = x.reshape(-1, x.shape[-1])  # [R, I]
+        if self.precision == "w8a8":  # bias included
+            y = torch.ops.quantized.linear_dynamic(rows.float().contiguous(), self.packed, True)
+            return y.view(*x.shape[:-1], self.out_features)
+        rows = rows.bfloat16()
         if self.precision == "int8":
             y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale)  # [R, O]
         else:
             y = rows @ self.weight.T
         y = y.float().view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def w8a8_available() -> bool:
+    """Whether this torch build has fbgemm's dynamic quantized linear (x86 builds do)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+        torch.ops.quantized, "linear_dynamic")
+
+
+def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    """int8 rows q [O, I] with per-row scales [O] -> fbgemm's packed weight (its own layout)."""
+    if not w8a8_available():
+        raise HeadError("head precision w8a8 needs torch's fbgemm kernels (x86 builds); "
+                        "use int8 or float32")
+    with warnings.catch_warnings():  # torch flags its quantized-tensor API as legacy
+        warnings.simplefilter("ignore")
+        zero = torch.zeros(q.shape[0], dtype=torch.long)
+        qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
+        return torch.ops.quantized.linear_prepack(qw, bias)
 
 
 class ResBlock(nn.Module):
@@ -170,10 +201,16 @@ class Heads(nn.Module):
                             f"{', '.join(PRECISIONS)}")
         if precision == "float32":
             return self
-        linears = [(parent, name, child) for parent in self.modules()
+        linears = [(parent, f"{prefix}.{name}".lstrip("."), child)
+                   for prefix, parent in self.named_modules()
                    for name, child in parent.named_children() if isinstance(child, nn.Linear)]
         for parent, name, child in linears:
-            setattr(parent, name, DraftLinear(child.weight, child.bias, precision))
+            # w8a8 quantizes a row by its largest entry; the target's features have a few
+            # channels far above the rest, so the linears that read them keep int8 weights with
+            # bfloat16 inputs (EAGLE's fc alone in w8a8 cost 3-6 points of held-out top-1)
+            raw = precision == "w8a8" and name.split(".")[0] in FEATURE_READERS
+            setattr(parent, name.rsplit(".", 1)[-1],
+                    DraftLinear(child.weight, child.bias, "int8" if raw else precision))
         self.lm_draft = DraftLinear(self.lm_rows, None, precision)
         self.lm_rows = self.lm_rows[:0]  # the float32 rows live on in lm_draft's form only
         return self.requires_grad_(False)

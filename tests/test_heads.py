@@ -20,10 +20,18 @@ from conftest import random_heads, tiny_runtime
 from test_lossless_sampling import ALPHA, PROMPT, RUNS, V, chi_square_pvalue, exact_joint
 from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
 
-from forerun.api import LoadConfig
+from forerun.api import LoadConfig, head_precision
 from forerun.bench.workloads import BUILTIN, read_workload
 from forerun.engine import speculative_decode
-from forerun.heads import DraftLinear, HeadError, TargetIO, load_heads, save_heads
+from forerun.heads import (
+    PRECISIONS,
+    DraftLinear,
+    HeadError,
+    TargetIO,
+    load_heads,
+    save_heads,
+    w8a8_available,
+)
 from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
@@ -37,6 +45,8 @@ from forerun.verify import recursive_rejection_sample
 
 GREEDY = SamplingConfig(temperature=0)
 KINDS = ["medusa", "hydra", "eagle", "eagle3"]
+
+NO_FBGEMM = pytest.mark.skipif(not w8a8_available(), reason="w8a8 needs torch's fbgemm (x86)")
 
 
 # --- the tree type ------------------------------------------------------------------------
@@ -288,7 +298,7 @@ def test_lookup_is_for_head_methods_only():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+@pytest.mark.parametrize("precision", ["bfloat16", "int8", pytest.param("w8a8", marks=NO_FBGEMM)])
 def test_heads_drafting_in_a_cheaper_precision_equal_plain_greedy(kind, precision):
     """Heads whose weights are cast or quantized for drafting draft other tokens at most;
     the output stays the target's."""
@@ -303,7 +313,9 @@ def test_heads_drafting_in_a_cheaper_precision_equal_plain_greedy(kind, precisio
     assert out == reference and sum(s.drafted for s in steps) > 0
 
 
-@pytest.mark.parametrize("precision, tolerance", [("bfloat16", 0.01), ("int8", 0.02)])
+@pytest.mark.parametrize("precision, tolerance",
+                         [("bfloat16", 0.01), ("int8", 0.02),
+                          pytest.param("w8a8", 0.04, marks=NO_FBGEMM)])
 def test_draft_linear_stays_close_to_the_float32_layer(precision, tolerance):
     torch.manual_seed(0)
     layer = torch.nn.Linear(96, 40)
@@ -313,6 +325,26 @@ def test_draft_linear_stays_close_to_the_float32_layer(precision, tolerance):
     with torch.no_grad():
         exact = layer(x)
     assert ((y - exact).norm() / exact.norm()).item() < tolerance
+
+
+@NO_FBGEMM
+def test_w8a8_keeps_the_feature_readers_in_int8():
+    """The linears that read the target's features (outlier channels) keep int8 weights with
+    bfloat16 inputs; the head's own layer and the LM slice quantize their inputs too."""
+    heads = random_heads("eagle", tiny_runtime(0)).for_drafting("w8a8")
+    kinds = {name: m.precision for name, m in heads.named_modules()
+             if isinstance(m, DraftLinear)}
+    assert kinds.pop("fc") == "int8" and set(kinds.values()) == {"w8a8"}
+    assert len(kinds) == 5  # wqkv, wo, w_gate_up, w_down and lm_draft
+    for kind in ("medusa", "hydra"):
+        heads = random_heads(kind, tiny_runtime(0)).for_drafting("w8a8")
+        assert {m.precision for n, m in heads.named_modules()
+                if n.startswith("blocks.") and isinstance(m, DraftLinear)} == {"int8"}
+
+
+def test_auto_head_precision_is_one_of_the_precisions():
+    assert head_precision("auto") in PRECISIONS
+    assert head_precision("w8a8") == "w8a8"
 
 
 def test_unknown_head_precision_is_refused():
