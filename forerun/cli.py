@@ -67,9 +67,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "`forerun train`); use with --method medusa|hydra|eagle|eagle3")
     g.add_argument("--head-precision", default="auto", choices=["auto", *PRECISIONS],
                    help="the heads' weights when drafting: int8 (per-row scales) reads a "
-                        "quarter of float32's bytes; changes speed and drafts, never the output; "
-                        "auto = int8 on CPUs with fast bfloat16, else float32 "
-                        "(default: %(default)s)")
+                        "quarter of float32's bytes; w8a8 also quantizes the inputs (fbgemm's "
+                        "integer kernels, for CPUs without fast bfloat16); changes speed and "
+                        "drafts, never the output; auto = int8 on CPUs with fast bfloat16, else "
+                        "w8a8 on x86, else float32 (default: %(default)s)")
     g.add_argument("--runtime", default="torch", choices=list(RUNTIMES),
                    help="torch: our transformer, weights dequantized to --dtype; llama.cpp: the "
                         "GGUF file on llama.cpp's quantized kernels, --dtype ignored (needs "
