@@ -56,9 +56,9 @@ MIN_IDLE, MAX_IDLE = 4, 64
 
 
 class HeadProposer:
-    # a head step is treated as free to draft (measured with int8 weights, scripts/head_cost.py:
-    # ~2% of a torch bf16 target pass here, 7-10% of a llama.cpp one; the automatic budget does
-    # not price it yet)
+    # a head step's cost (scripts/head_cost.py: int8 ~2% of a torch bf16 target pass, 3-10% of
+    # a llama.cpp one; w8a8 ~5% of llama.cpp's on an AVX2-only CPU) is measured as it drafts
+    # (head_seconds) and priced by the automatic budget
     runtime = None
 
     def __init__(self, heads: Heads, capacity: int, tree: int = 0, topk: int = 4,
