@@ -128,8 +128,9 @@ class DraftLinear(nn.Module):
 
 def w8a8_available() -> bool:
     """Whether this torch build has fbgemm's dynamic quantized linear (x86 builds do)."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
-        torch.ops.quantized, "linear_dynamic")
+    return ("fbgemm" in torch.backends.quantized.supported_engines
+            and hasattr(torch, "_make_per_channel_quantized_tensor")
+            and hasattr(torch.ops.quantized, "linear_dynamic"))
 
 
 def pack_w8a8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
