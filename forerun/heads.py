@@ -202,16 +202,16 @@ class Heads(nn.Module):
                             f"{', '.join(PRECISIONS)}")
         if precision == "float32":
             return self
-        linears = [(parent, f"{prefix}.{name}".lstrip("."), child)
+        linears = [(parent, (prefix or name).split(".")[0], name, child)
                    for prefix, parent in self.named_modules()
                    for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-        for parent, name, child in linears:
+        for parent, top, name, child in linears:
             # w8a8 quantizes a row by its largest entry; the target's features have a few
             # channels far above the rest, so the linears that read them keep int8 weights with
             # bfloat16 inputs (EAGLE's fc alone in w8a8 cost 3-6 points of held-out top-1)
-            raw = precision == "w8a8" and name.split(".")[0] in FEATURE_READERS
-            setattr(parent, name.rsplit(".", 1)[-1],
-                    DraftLinear(child.weight, child.bias, "int8" if raw else precision))
+            raw = precision == "w8a8" and top in FEATURE_READERS
+            setattr(parent, name, DraftLinear(child.weight, child.bias,
+                                              "int8" if raw else precision))
         self.lm_draft = DraftLinear(self.lm_rows, None, precision)
         self.lm_rows = self.lm_rows[:0]  # the float32 rows live on in lm_draft's form only
         return self.requires_grad_(False)
