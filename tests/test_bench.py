@@ -141,6 +141,19 @@ def test_aggregate_ratios_are_against_the_same_runs_baseline():
     assert cells[MEAN, "draft k=4"].speedup == pytest.approx(1.5)
 
 
+def test_decode_speedup_leaves_the_prefill_out():
+    # the same 4 s prefill in both runs: end to end 10 s vs 7 s (1.43x); after the first
+    # token 6 s vs 3 s for the same 10 tokens (2x): the drafter's own figure
+    def run(label, wall):
+        return Run("p", "a", label, BASELINE, 0.0, 500, 11, wall, 4.0, [0.1])
+
+    cells = {c.label: c for c in aggregate([run(BASELINE, 10.0), run("eagle", 7.0)])}
+    assert cells["eagle"].speedup == pytest.approx(10 / 7)
+    assert cells["eagle"].decode_speedup == pytest.approx(2.0)
+    assert cells[BASELINE].decode_speedup == pytest.approx(1.0)
+    assert "2.00x" in markdown(list(cells.values()), "t")
+
+
 def test_repeats_keep_each_cell_s_median_run(pair, workload, tmp_path, capsys):
     """--repeats 3: every cell runs three times per prompt, one run (the median wall's) is kept."""
     def run(wall):

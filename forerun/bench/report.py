@@ -4,6 +4,9 @@ Owns: how runs become figures. For each (temperature, category, label):
 - tok/s = total new tokens / total wall time over the category's prompts (prefill included);
 - speedup = that tok/s / the forerun plain baseline's tok/s on the same prompts, same run;
   `vs own plain` divides by the same system's plain decoding instead (peers);
+- decode (speedup) = the same ratio after the first token: (new tokens - 1) / (wall - TTFT),
+  summed over the prompts. Prefill is the same work with or without a drafter, so where it is
+  most of the wall (long prompts on a CPU) the speedup is diluted; this is the drafter's own;
 - mean accepted length = mean over verify steps of (accepted + 1), incl. the bonus token;
 - acceptance rate = accepted / drafted draft tokens;
 - TTFT = median time to the first token; ITL p50 / p90 = quantiles over decode steps of
@@ -41,6 +44,7 @@ class Cell:
     tokens_per_s: float
     speedup: float
     vs_own_plain: float
+    decode_speedup: float
     mean_accepted_length: float | None
     acceptance_rate: float | None
     ttft_s: float
@@ -61,6 +65,12 @@ def _tps(runs: list[Run]) -> float:
     return sum(r.new_tokens for r in runs) / wall if wall > 0 else 0.0
 
 
+def _decode_tps(runs: list[Run]) -> float:
+    """tok/s after the first token: what the drafter speeds up (prefill excluded)."""
+    wall = sum(max(0.0, r.wall_s - r.ttft_s) for r in runs)
+    return sum(max(0, r.new_tokens - 1) for r in runs) / wall if wall > 0 else 0.0
+
+
 def aggregate(runs: list[Run]) -> list[Cell]:
     groups: dict[tuple, list[Run]] = {}
     for r in runs:
@@ -70,6 +80,7 @@ def aggregate(runs: list[Run]) -> list[Cell]:
         tps = _tps(rs)
         base = _tps(groups.get((temp, cat, BASELINE), []))
         own = _tps(groups.get((temp, cat, rs[0].baseline), []))
+        decode_base = _decode_tps(groups.get((temp, cat, BASELINE), []))
         steps = sum(r.verify_steps for r in rs)
         drafted = sum(r.drafted for r in rs)
         ident = [r.identical for r in rs if r.identical is not None]
@@ -77,6 +88,7 @@ def aggregate(runs: list[Run]) -> list[Cell]:
         cells.append(Cell(
             temp, cat, label, len(rs), sum(r.new_tokens for r in rs), tps,
             tps / base if base else 0.0, tps / own if own else 0.0,
+            _decode_tps(rs) / decode_base if decode_base else 0.0,
             (sum(r.accepted for r in rs) + steps) / steps if drafted and steps else None,
             sum(r.accepted for r in rs) / drafted if drafted else None,
             statistics.median(r.ttft_s for r in rs), _quantile(itl, 0.5), _quantile(itl, 0.9),
@@ -104,15 +116,16 @@ def _means(cells: list[Cell]) -> list[Cell]:
         out.append(Cell(
             temp, MEAN, label, sum(c.prompts for c in cs), sum(c.new_tokens for c in cs),
             mean(c.tokens_per_s for c in cs), mean(c.speedup for c in cs),
-            mean(c.vs_own_plain for c in cs), mean(c.mean_accepted_length for c in cs),
+            mean(c.vs_own_plain for c in cs), mean(c.decode_speedup for c in cs),
+            mean(c.mean_accepted_length for c in cs),
             mean(c.acceptance_rate for c in cs), statistics.median(c.ttft_s for c in cs),
             statistics.median(c.itl_p50_s for c in cs), statistics.median(c.itl_p90_s for c in cs),
             mean(c.identical for c in cs)))
     return out
 
 
-COLUMNS = ("T", "category", "method", "n", "speedup", "vs own plain", "tok/s", "acc. len",
-           "acc. rate", "TTFT s", "ITL p50 ms", "ITL p90 ms", "identical")
+COLUMNS = ("T", "category", "method", "n", "speedup", "vs own plain", "decode", "tok/s",
+           "acc. len", "acc. rate", "TTFT s", "ITL p50 ms", "ITL p90 ms", "identical")
 
 
 def rows(cells: list[Cell]) -> list[tuple[str, ...]]:
@@ -124,9 +137,10 @@ def rows(cells: list[Cell]) -> list[tuple[str, ...]]:
         return "-" if x is None else format(x, fmt)
 
     return [(f"{c.temperature:g}", c.category, c.label, str(c.prompts), f"{c.speedup:.2f}x",
-             f"{c.vs_own_plain:.2f}x", f"{c.tokens_per_s:.2f}", opt(c.mean_accepted_length, ".2f"),
-             opt(c.acceptance_rate, ".2f"), f"{c.ttft_s:.2f}", f"{c.itl_p50_s * 1e3:.0f}",
-             f"{c.itl_p90_s * 1e3:.0f}", opt(c.identical, ".2f"))
+             f"{c.vs_own_plain:.2f}x", f"{c.decode_speedup:.2f}x", f"{c.tokens_per_s:.2f}",
+             opt(c.mean_accepted_length, ".2f"), opt(c.acceptance_rate, ".2f"),
+             f"{c.ttft_s:.2f}", f"{c.itl_p50_s * 1e3:.0f}", f"{c.itl_p90_s * 1e3:.0f}",
+             opt(c.identical, ".2f"))
             for c in sorted(cells, key=lambda c: (c.temperature, c.category == MEAN,
                                                   order[c.category], c.label != BASELINE))]
 
