@@ -100,21 +100,22 @@ class DraftLinear(nn.Module):
         super().__init__()
         w = weight.detach().float()  # [O, I]
         self.precision, self.out_features = precision, w.shape[0]
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        bias = None if bias is None else bias.detach().float()  # [O]
         if precision in ("int8", "w8a8"):
             scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127  # [O]
             q = (w / scale[:, None]).round().to(torch.int8)  # [O, I]
-            if precision == "w8a8":
-                self.packed = pack_w8a8(q, scale, self.bias)
+            if precision == "w8a8":  # fbgemm's packed weight carries the bias
+                self.packed = pack_w8a8(q, scale, bias)
                 return
             self.register_buffer("weight", q)
             self.register_buffer("scale", scale.bfloat16())
         else:
             self.register_buffer("weight", w.bfloat16())
+        self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [R, I]
-        if self.precision == "w8a8":  # bias included
+        if self.precision == "w8a8":  # the bias is in the packed weight
             y = torch.ops.quantized.linear_dynamic(rows.float().contiguous(), self.packed, True)
             return y.view(*x.shape[:-1], self.out_features)
         rows = rows.bfloat16()
