@@ -61,7 +61,9 @@ def run_child(path, out, passes, **env):
     return np.load(out)
 
 
-AVX2_PASSES = (2, 3, 4, 5, 9, 16, 17, 33)  # q4_K: one group, two and three near-equal groups
+# q4_K: one group, two and three near-equal groups; 64 rows: a prompt's size, where ggml's
+# tiled attention (not the kernels) makes the rows differ from one-token passes in the last bits
+AVX2_PASSES = (2, 3, 4, 5, 9, 16, 17, 33, 64)
 
 
 @pytest.mark.skipif(llama_amx.cpu_has_amx(), reason="AMX CPUs take the AMX kernels instead")
@@ -74,7 +76,8 @@ def test_avx2_multi_row_kernels_give_the_one_row_kernels_logits(kquant_gguf, tmp
         # ggml's gemm sums in another order than its gemv: its passes of 4+ rows differ a little
         np.testing.assert_allclose(fused[n], loops[n], atol=1e-3 * np.abs(fused[n]).max())
         # the fused kernels' rows are the one-row kernels': a pass equals one token at a time
-        assert np.array_equal(fused[n], fused["one_by_one"][:int(n)]), n
+        if int(n) <= 48:
+            assert np.array_equal(fused[n], fused["one_by_one"][:int(n)]), n
     assert np.array_equal(loops["3"], loops["one_by_one"][:3])  # gemv rows only: exact too
 
 
