@@ -3,7 +3,7 @@ pass, the logits of llama.cpp's one-row kernel to the bit, so a verify pass cost
 changing a number. Checked on a random Q4_K/Q6_K model (the K-quants of a Q4_K_M file), each
 setting in a child process (the kernels read their switches once per process):
 
-- AVX2 (any x86 CPU without AMX): q4_K passes of 2-48 rows (instead of ggml's gemm on groups of
+- AVX2 (any x86 CPU without AMX): q4_K passes of 2+ rows (instead of ggml's gemm on groups of
   4 and gemv on the rest) and q6_K matmuls of 2+ rows (the LM head, instead of the one-row loop
   and the tiled path) unpack each weight block once; GGML_Q4_K_COLS=0 / GGML_Q6_K_COLS=0 restore
   ggml's paths. Since every row is then the one-row kernel's (and, with the patch, a one-row

@@ -77,10 +77,9 @@ def aggregate(runs: list[Run]) -> list[Cell]:
         groups.setdefault((r.temperature, r.category, r.label), []).append(r)
     cells = []
     for (temp, cat, label), rs in groups.items():
-        tps = _tps(rs)
-        base = _tps(groups.get((temp, cat, BASELINE), []))
+        tps, baseline = _tps(rs), groups.get((temp, cat, BASELINE), [])
+        base, decode_base = _tps(baseline), _decode_tps(baseline)
         own = _tps(groups.get((temp, cat, rs[0].baseline), []))
-        decode_base = _decode_tps(groups.get((temp, cat, BASELINE), []))
         steps = sum(r.verify_steps for r in rs)
         drafted = sum(r.drafted for r in rs)
         ident = [r.identical for r in rs if r.identical is not None]
