@@ -90,14 +90,17 @@ class CappedK:
         self.policy.update(drafted, accepted)
 
 
-def head_precision(name: str) -> str:
-    """LoadConfig.head_precision resolved: auto = int8 where the CPU (heads draft on the CPU)
+def head_precision(name: str, device: str = "cpu") -> str:
+    """LoadConfig.head_precision resolved for heads drafting on `device` (a torch target's,
+    else the CPU): auto = bfloat16 on a GPU; on the CPU int8 where it
     multiplies bfloat16 fast and torch has the int8 weight-only kernel, else w8a8 where torch
     has fbgemm (x86), else float32. Measured: an EAGLE draft step 7.9 ms in float32 (LM slice
     bfloat16), ~2.5 ms in int8 on an AVX512-BF16 EPYC; on an AVX2-only Zen 3 a chain of 4 steps
     53 ms in float32, 22 ms in int8, w8a8 in the README (scripts/head_cost.py)."""
     if name != "auto":
         return name
+    if device != "cpu":
+        return "bfloat16"
     if resolve_dtype("auto", "cpu") == "bfloat16" and hasattr(torch.ops.aten,
                                                               "_weight_int8pack_mm"):
         return "int8"
@@ -138,8 +141,9 @@ class Engine:
         target_rt = target_src.load(**kwargs)
         heads = None
         if load.heads:
-            heads = load_heads(load.heads, target_io(target_src, target_rt), target_src.name,
-                               load.context, head_precision(load.head_precision))
+            io = target_io(target_src, target_rt)  # on the target's device, or the CPU
+            heads = load_heads(load.heads, io, target_src.name, load.context,
+                               head_precision(load.head_precision, io.embed.device.type))
             if load.runtime != "torch" and set(heads.cfg.layers) - {-1}:
                 raise ModelError(f"{heads.cfg.kind} heads read target layers "
                                  f"{list(heads.cfg.layers)}; the {load.runtime} runtime exposes "

@@ -166,9 +166,11 @@ class Heads(nn.Module):
         super().__init__()
         self.cfg = cfg
         D = cfg.dim
+        # the target's rows are buffers (moved by .to(device), not saved), frozen
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)  # [N]
-        self.embed = io.embed  # [V, D], frozen, not saved
-        self.lm_rows = io.lm_head[vocab_ids].float().contiguous()  # [N, D], frozen, not saved
+        self.register_buffer("embed", io.embed, persistent=False)  # [V, D]
+        self.register_buffer("lm_rows", io.lm_head[vocab_ids.to(io.lm_head.device)].float()
+                             .contiguous(), persistent=False)  # [N, D]
         self.lm_draft: DraftLinear | None = None  # the rows in a drafting precision
         if cfg.kind == "medusa":
             self.blocks = nn.ModuleList(ResBlock(D, D) for _ in range(cfg.num_heads))
@@ -183,6 +185,11 @@ class Heads(nn.Module):
             cos, sin = rope_tables(cfg.block_config(context), context, torch.float32, "cpu")
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the head drafts: the target's device for the torch runtime, else the CPU."""
+        return self.vocab_ids.device
 
     # --- the three head kinds' forward steps (training and drafting share them) ---------------
 
@@ -201,6 +208,9 @@ class Heads(nn.Module):
         if precision not in PRECISIONS:
             raise HeadError(f"unknown head precision {precision!r}; choose "
                             f"{', '.join(PRECISIONS)}")
+        if precision == "w8a8" and self.device.type != "cpu":
+            raise HeadError(f"head precision w8a8 runs on the CPU only (fbgemm); heads on "
+                            f"{self.device} draft in bfloat16 or int8")
         if precision == "float32":
             return self
         linears = [(parent, (prefix or name).split(".")[0], name, child)
@@ -231,8 +241,9 @@ class Heads(nn.Module):
     def feature(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """The target's features (layer -> [T, D]) -> the EAGLE input feature [T, D]."""
         if self.cfg.kind == "eagle3":
-            return self.fuse(torch.cat([hidden[i].float() for i in self.cfg.layers], dim=-1))
-        return hidden[-1].float()
+            return self.fuse(torch.cat([hidden[i].to(self.device).float()
+                                        for i in self.cfg.layers], dim=-1))
+        return hidden[-1].to(self.device).float()
 
     def eagle_step(self, feature: torch.Tensor, token: torch.Tensor, positions: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
@@ -246,7 +257,7 @@ class Heads(nn.Module):
     def new_cache(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         shape = (cfg.n_kv_heads, capacity, cfg.dim // cfg.n_heads)
-        return torch.zeros(shape), torch.zeros(shape)
+        return torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device)
 
 
 def save_heads(heads: Heads, directory: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -265,7 +276,8 @@ def save_heads(heads: Heads, directory: Path, dtype: torch.dtype = torch.bfloat1
 def load_heads(path: str | Path, io: TargetIO, target_name: str = "",
                context: int = 4096, precision: str = "float32") -> Heads:
     """Heads from a directory (or its head.safetensors / head_config.json), checked against
-    the target's shape, ready to draft with `precision` weights (see Heads.for_drafting)."""
+    the target's shape, ready to draft with `precision` weights (see Heads.for_drafting) on
+    the device of the target's rows in `io` (a torch target's device; the CPU for others)."""
     from safetensors.torch import load_file
 
     path = Path(path).expanduser()
@@ -296,4 +308,4 @@ def load_heads(path: str | Path, io: TargetIO, target_name: str = "",
         {k: v.float() for k, v in tensors.items()}, strict=False)
     if missing or unexpected:
         raise HeadError(f"{weights_file}: missing {missing}, unexpected {unexpected}")
-    return heads.eval().for_drafting(precision)
+    return heads.eval().to(io.embed.device).for_drafting(precision)

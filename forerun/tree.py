@@ -124,13 +124,17 @@ def grow_tree(
     """
     found: list[Candidate] = []
 
-    def add(logprobs: torch.Tensor, parent: int, base: float, d: int) -> None:
-        values, tokens = logprobs.topk(min(topk, logprobs.shape[-1]))  # [k]
-        for v, t in zip(values.tolist(), tokens.tolist(), strict=True):
-            if v > float("-inf"):
-                found.append(Candidate(t, parent, d, base + v))
+    def add(logprobs: torch.Tensor, parents: list[int], d: int) -> None:
+        """logprobs [P, N]: the children of each of `parents` (-1 = the root), depth d; one
+        top-k and one copy to the host a level (the drafter may run on a GPU)."""
+        values, tokens = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)  # [P, k]
+        for parent, vs, ts in zip(parents, values.tolist(), tokens.tolist(), strict=True):
+            base = found[parent].score if parent >= 0 else 0.0
+            for v, t in zip(vs, ts, strict=True):
+                if v > float("-inf"):
+                    found.append(Candidate(t, parent, d, base + v))
 
-    add(root, -1, 0.0, 1)
+    add(root[None], [-1], 1)
     level = list(range(len(found)))
     def ranked() -> list[int]:
         return sorted(range(len(found)), key=lambda i: (-found[i].score, i))
@@ -145,8 +149,7 @@ def grow_tree(
             break
         logprobs = expand(frontier, found)  # [F, N]
         first = len(found)
-        for row, i in enumerate(frontier):
-            add(logprobs[row], i, found[i].score, d)
+        add(logprobs, frontier, d)
         level = list(range(first, len(found)))
     order = ranked()
     if callable(budget):

@@ -9,22 +9,33 @@ What it does, on `--device` (default cuda):
    in `--dtype` (default bfloat16).
 3. Decode speed: plain tok/s, and speculative tok/s with the target as its own draft (every draft
    token accepted: the loop's best case, so the overhead of the machinery shows).
+4. Heads on the GPU: random-initialised Medusa, Hydra, EAGLE and EAGLE-3 heads (the trained
+   EAGLE head's shape) drafting chains and trees from the target's features on the device;
+   greedy equality in float32 (in step 1, drafting in float32, bfloat16 and int8), and in
+   `--dtype` the median ms of one `propose` (a chain of k, trees of 8 and 32 nodes; Medusa and
+   Hydra stop at their 4 heads' depth) against a
+   one-token target pass: the head's drafting cost.
 
     python scripts/gpu_check.py --json out.json
+    python scripts/gpu_check.py --device cpu --small   # a smoke test of the script itself
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
 
 from forerun.engine import speculative_decode
+from forerun.heads import KINDS, HeadConfig, Heads, TargetIO
 from forerun.policy import FixedK
 from forerun.profile import measure_forward_curve
+from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.draft_model import DraftModelProposer
+from forerun.propose.heads import AUTO_TREE
 from forerun.propose.ngram import NgramProposer
 from forerun.reference import plain_decode
 from forerun.runtime.base import ModelConfig
@@ -35,12 +46,17 @@ SHAPES = {  # the default pair (see forerun.models.catalog), read from their GGU
     "target": dict(dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, ffn_dim=8960),
     "draft": dict(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864),
 }
-SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
+SMALL = {"target": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
+         "draft": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)}
+SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+VOCAB = 151_936
+# the trained EAGLE head's shape (~/.cache/forerun/heads/qwen2.5-coder-1.5b-instruct/eagle)
+HEAD = dict(num_heads=4, draft_vocab=16_384, n_heads=12, n_kv_heads=2, ffn_dim=2048)
 
 
 def random_runtime(role: str, dtype: torch.dtype, device: str, capacity: int,
                    seed: int) -> TorchRuntime:
-    cfg = ModelConfig(arch="qwen2", vocab_size=151_936, rope_theta=1e6, norm_eps=1e-6,
+    cfg = ModelConfig(arch="qwen2", vocab_size=VOCAB, rope_theta=1e6, norm_eps=1e-6,
                       context_length=32_768, qkv_bias=True, tied_embeddings=True, **SHAPES[role])
     torch.manual_seed(seed)
     with torch.device(device):
@@ -57,6 +73,30 @@ def decode(target, proposer, prompt, max_tokens, k) -> tuple[list[int], float, i
         out += step.tokens
         steps += 1
     return out, time.perf_counter() - start, steps
+
+
+def random_heads(kind: str, target: TorchRuntime, precision: str, seed: int = 0) -> Heads:
+    """Heads of `kind` in the trained EAGLE head's shape, random weights, on the target's
+    device, drafting in `precision` (for_drafting)."""
+    cfg = target.config
+    n_layers = cfg.n_layers
+    hc = HeadConfig(kind, cfg.dim, cfg.vocab_size,
+                    layers=(1, n_layers // 2, -1) if kind == "eagle3" else (-1,),
+                    **(HEAD | {"draft_vocab": min(HEAD["draft_vocab"], cfg.vocab_size)}))
+    model = target.model
+    io = TargetIO(model.embed.weight.detach(), model.lm_weight().detach())
+    heads = Heads(hc, torch.arange(hc.draft_vocab), io, context=target.capacity)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.02)
+    return heads.eval().to(target.device).for_drafting(precision)
+
+
+def head_proposer(kind: str, target: TorchRuntime, precision: str, tree: int, k: int,
+                  topk: int = 2):
+    heads = random_heads(kind, target, precision)
+    return PROPOSERS[kind](SpecConfig(kind, k, tree=tree, tree_topk=topk), target, None, heads)
 
 
 def first_divergence(target, prompt, a, b) -> dict | None:
@@ -76,9 +116,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--small", action="store_true", help="tiny shapes (to try the script)")
     args = ap.parse_args()
+    if args.small:
+        global VOCAB
+        SHAPES.update(SMALL)
+        HEAD.update(n_heads=4, ffn_dim=48)
+        VOCAB = 512
     dev, dtype = args.device, getattr(torch, args.dtype)
-    prompt = [int(t) for t in torch.randint(151_000, (200,), generator=make_generator(1))]
+    prompt = [int(t) for t in torch.randint(VOCAB - 1, (200,), generator=make_generator(1))]
     results: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else dev,
                      "torch": torch.__version__, "dtype": args.dtype}
 
@@ -86,10 +132,22 @@ def main() -> None:
     t32 = random_runtime("target", torch.float32, dev, 1024, seed=0)
     d32 = random_runtime("draft", torch.float32, dev, 1024, seed=1)
     ref, _, _ = decode(t32, None, prompt, 64, 0)
-    checks = {"draft": DraftModelProposer(d32, 151_936), "ngram": NgramProposer(1, 4),
-              "self": DraftModelProposer(t32.fork(), 151_936)}
+    checks = {"draft": (DraftModelProposer, d32, VOCAB), "ngram": (NgramProposer, 1, 4),
+              "self": (DraftModelProposer, t32.fork(), VOCAB)}
+    for kind in KINDS:  # heads on the device: trees of 8 nodes, EAGLE also a chain and auto
+        checks[f"{kind}-tree8"] = (head_proposer, kind, t32, "float32", 8, args.k)
+    checks["eagle-chain"] = (head_proposer, "eagle", t32, "float32", 0, args.k)
+    checks["eagle-auto"] = (head_proposer, "eagle", t32, "float32", AUTO_TREE, args.k)
+    for precision in ("bfloat16", "int8"):  # drafts may change, the output may not
+        checks[f"eagle-tree8-{precision}"] = (head_proposer, "eagle", t32, precision, 8, args.k)
     results["equality"] = {}
-    for name, proposer in checks.items():
+    for name, (make, *make_args) in checks.items():
+        try:
+            proposer = make(*make_args)
+        except Exception as e:  # e.g. a kernel this torch build lacks on the device
+            results["equality"][name] = {"error": repr(e)}
+            print(f"greedy equality fp32 {name:6s}: cannot run: {e!r}")
+            continue
         out, _, _ = decode(t32, proposer, prompt, 64, args.k)
         div = first_divergence(t32, prompt, ref, out)
         results["equality"][name] = {"identical": out == ref, "divergence": div}
@@ -119,9 +177,48 @@ def main() -> None:
                          "self_draft_tok_s": len(out) / self_s, "self_draft_steps": steps}
     print(f"plain {args.max_tokens / plain_s:.1f} tok/s; target as its own draft, k={args.k}: "
           f"{len(out) / self_s:.1f} tok/s in {steps} steps")
+
+    # 4. Head drafting cost on the device, against a one-token target pass.
+    fwd1 = curves["target"].seconds[0] * 1e3
+    results["head_cost"] = {"target_fwd1_ms": fwd1}
+    print(f"head propose ms (x target fwd(1) = {fwd1:.2f} ms), k={args.k}")
+    for kind in KINDS:
+        for precision in ("bfloat16", "int8"):
+            row = {}
+            # a chain of k; 8 nodes of a tree k deep, 2 children a node; 32 nodes, 8 deep, 4
+            for label, tree, k, topk in (("chain", 0, args.k, 1), ("tree8", 8, args.k, 2),
+                                         ("tree32", 32, 8, 4)):
+                try:
+                    row[label] = propose_ms(head_proposer(kind, target, precision, tree, k, topk),
+                                            target, prompt, k)
+                except Exception as e:
+                    row[label] = repr(e)
+            results["head_cost"][f"{kind}-{precision}"] = row
+            print(f"{kind:7s} {precision:9s} " + "  ".join(
+                f"{label} {v:6.2f} ms ({v / fwd1:.2f}x)" if isinstance(v, float) else
+                f"{label} {v}" for label, v in row.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def propose_ms(proposer, target: TorchRuntime, prompt: list[int], k: int, reps: int = 15) -> float:
+    """Median ms of one decode step's drafting: one new feature taken in, then a draft."""
+    greedy, gen = SamplingConfig(temperature=0), make_generator(0)
+    target.truncate(0)
+    hidden = target.forward(torch.tensor(prompt[:-1]), last_only=True,
+                            hidden_layers=proposer.hidden_layers).hidden  # [P-1, D] a layer
+    proposer.prefill(prompt)
+    proposer.feed(hidden)
+    proposer.propose(prompt, k, greedy, gen)  # takes the prompt's features in
+    times = []
+    for _ in range(reps):
+        proposer.committed = len(prompt) - 2  # as if the last token had just been accepted
+        proposer.feed({i: h[-1:] for i, h in hidden.items()})
+        start = time.perf_counter()
+        proposer.propose(prompt, k, greedy, gen)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":

@@ -345,6 +345,23 @@ def test_w8a8_keeps_the_feature_readers_in_int8():
 def test_auto_head_precision_is_one_of_the_precisions():
     assert head_precision("auto") in PRECISIONS
     assert head_precision("w8a8") == "w8a8"
+    assert head_precision("auto", "cuda") == "bfloat16"  # heads on a torch target's GPU
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle", "eagle3"])
+def test_heads_move_whole_to_the_targets_device(kind):
+    """Heads draft where the target's features are (scripts/gpu_check.py runs them on CUDA):
+    .to(device) carries every tensor a draft step reads, the target's embedding and LM rows
+    too ("meta" stands in for a GPU here), without saving those rows; the KV cache follows,
+    and w8a8 (fbgemm, CPU only) is refused off the CPU."""
+    heads = random_heads(kind, tiny_runtime(0)).to("meta")
+    assert heads.device.type == "meta"
+    assert {t.device.type for t in (*heads.parameters(), *heads.buffers())} == {"meta"}
+    assert not {"embed", "lm_rows", "vocab_ids"} & set(heads.state_dict())
+    if kind.startswith("eagle"):
+        assert {t.device.type for t in heads.new_cache(8)} == {"meta"}
+    with pytest.raises(HeadError, match="CPU only"):
+        heads.for_drafting("w8a8")
 
 
 def test_unknown_head_precision_is_refused():

@@ -213,6 +213,7 @@ def _meta(args, load: LoadConfig) -> dict:
             "dtype": resolve_dtype(load.dtype, load.device) if runtime == "torch" else "gguf",
             "draft_dtype": resolve_dtype(load.draft_dtype, load.device),
             "draft_vocab": load.draft_vocab or "full", "device": load.device,
-            "heads": load.heads, "head_precision": head_precision(load.head_precision),
+            "heads": load.heads, "head_precision": head_precision(
+                load.head_precision, load.device if runtime == "torch" else "cpu"),
             "cpus": len(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -73,6 +73,8 @@ class HeadProposer:
         self.name, self.hidden_layers = self.cfg.kind, self.cfg.layers
         self.tree, self.topk, self.verify = tree, topk, verify
         self.eagle = self.cfg.kind in ("eagle", "eagle3")
+        # the head runs on heads.device (a torch target's GPU, say); ids map back on the CPU
+        self.device, self.vocab_ids = heads.device, heads.vocab_ids.cpu()  # [N]
         self.prompt_features, self.lookup = prompt_features, lookup
         if lookup is not None:
             self.name = f"{self.name}+lookup"
@@ -102,7 +104,7 @@ class HeadProposer:
         if self.eagle:
             self.waiting.append(self.heads.feature(hidden))  # [n, D]
         else:
-            self.last = hidden[-1][-1:].float()  # [1, D]
+            self.last = hidden[-1][-1:].to(self.device).float()  # [1, D]
 
     def commit(self, num_final: int) -> None:
         self.committed = min(self.committed, num_final - self.first)
@@ -134,7 +136,7 @@ class HeadProposer:
             self.skip -= 1
             return self._lookup_only(chain, chain_scores)
         started = perf_counter()
-        pending = torch.tensor(tokens[-1:])  # [1]
+        pending = torch.tensor(tokens[-1:], device=self.device)  # [1]
         if self.eagle:
             root, expand = self._eagle(tokens)
         elif self.cfg.kind == "medusa":
@@ -153,7 +155,7 @@ class HeadProposer:
         elapsed = perf_counter() - started
         self.head_seconds = elapsed if not self.head_seconds else (
             self.head_seconds + HEAD_SECONDS_MEMORY * (elapsed - self.head_seconds))
-        draft = self.heads.vocab_ids[torch.tensor(ids, dtype=torch.long)].tolist()  # target ids
+        draft = self.vocab_ids[torch.tensor(ids, dtype=torch.long)].tolist()  # target ids
         if self.tree == AUTO_TREE:  # nothing worth verifying: rest, and rest longer next time
             self.skip, self.idle = (self.idle, min(2 * self.idle, MAX_IDLE)) if not ids else (
                 0, MIN_IDLE)
@@ -186,6 +188,10 @@ class HeadProposer:
 
         return choose
 
+    def _target_ids(self, draft_ids: list[int]) -> torch.Tensor:
+        """Draft-vocabulary ids -> the target's token ids [F], on the head's device."""
+        return self.vocab_ids[torch.tensor(draft_ids, dtype=torch.long)].to(self.device)
+
     # --- each kind: the root's log-probabilities and how to expand a level -------------------
 
     def _medusa(self):
@@ -203,7 +209,7 @@ class HeadProposer:
 
         def expand(frontier: list[int], found: list[Candidate]) -> torch.Tensor:
             parents = torch.cat([state.get(found[i].parent, z) for i in frontier])  # [F, D]
-            token = heads.vocab_ids[torch.tensor([found[i].token for i in frontier])]  # [F]
+            token = self._target_ids([found[i].token for i in frontier])  # [F]
             out = heads.hydra_step(found[frontier[0]].depth, parents, token)  # [F, D]
             state.update({i: out[r:r + 1] for r, i in enumerate(frontier)})
             return heads.logits(out).log_softmax(-1)
@@ -220,9 +226,10 @@ class HeadProposer:
         if first + start + n != len(tokens) - 1:  # a runtime that returned too few rows
             raise RuntimeError(f"the EAGLE head holds features of {first + start + n} tokens, "
                                f"the target's cache {len(tokens) - 1}")
-        positions = torch.arange(start, start + n)
-        nexts = torch.tensor(tokens[first + start + 1:first + start + 1 + n])  # [n]
-        mask = None if n == 1 else causal(start, n)
+        dev = self.device
+        positions = torch.arange(start, start + n, device=dev)
+        nexts = torch.tensor(tokens[first + start + 1:first + start + 1 + n], device=dev)  # [n]
+        mask = None if n == 1 else causal(start, n).to(dev)
         o = heads.eagle_step(features, nexts, positions, self.k_cache, self.v_cache, start, mask)
         self.committed = start + n  # == len(tokens) - 1 - first
         root_o, root_pos = o[-1:], start + n - 1  # [1, D]: predicts the first draft token
@@ -233,8 +240,8 @@ class HeadProposer:
             slot = self.committed + len(state)
             feats = torch.cat([state[c.parent][0] if c.parent >= 0 else root_o
                                for c in (found[i] for i in frontier)])  # [F, D]
-            token = heads.vocab_ids[torch.tensor([found[i].token for i in frontier])]  # [F]
-            pos = torch.tensor([root_pos + found[i].depth for i in frontier])  # [F]
+            token = self._target_ids([found[i].token for i in frontier])  # [F]
+            pos = torch.tensor([root_pos + found[i].depth for i in frontier], device=dev)  # [F]
             m = torch.zeros(len(frontier), slot + len(frontier), dtype=torch.bool)
             m[:, :self.committed] = True
             for r, i in enumerate(frontier):
@@ -243,7 +250,8 @@ class HeadProposer:
                 while a >= 0:
                     m[r, state[a][1]] = True
                     a = found[a].parent
-            out = heads.eagle_step(feats, token, pos, self.k_cache, self.v_cache, slot, m)
+            out = heads.eagle_step(feats, token, pos, self.k_cache, self.v_cache, slot,
+                                   m.to(dev))
             state.update({i: (out[r:r + 1], slot + r) for r, i in enumerate(frontier)})
             return heads.logits(out).log_softmax(-1)
 
