@@ -5,8 +5,9 @@ know what a forward pass costs, and a lent GPU machine has no network to fetch t
 What it does, on `--device` (default cuda):
 1. Greedy equality: speculative output (draft model, n-gram, the target drafting for itself)
    equals plain greedy output, in float32; any divergence is printed with its top-2 logit gap.
-2. The verify curve: forward time over 1..32 new tokens after 200 cached ones, target and draft,
-   in `--dtype` (default bfloat16).
+2. The verify curve: forward time over 1..64 new tokens after 200 cached ones, target and draft,
+   in `--dtype` (default bfloat16), with decode-sized passes replayed as CUDA graphs (the torch
+   runtime's default on a GPU, forerun/runtime/static.py) and eager; plain decoding equal in both.
 3. Decode speed: plain tok/s, and speculative tok/s with the target as its own draft (every draft
    token accepted: the loop's best case, so the overhead of the machinery shows).
 4. Heads on the GPU: random-initialised Medusa, Hydra, EAGLE and EAGLE-3 heads (the trained
@@ -56,6 +57,8 @@ HEAD = dict(num_heads=4, draft_vocab=16_384, n_heads=12, n_kv_heads=2, ffn_dim=2
 
 def random_runtime(role: str, dtype: torch.dtype, device: str, capacity: int,
                    seed: int) -> TorchRuntime:
+    """Random weights of `role`'s shape; decode-sized passes as CUDA graphs on a GPU (the
+    runtime's default); `eager(rt)` is the same model without them."""
     cfg = ModelConfig(arch="qwen2", vocab_size=VOCAB, rope_theta=1e6, norm_eps=1e-6,
                       context_length=32_768, qkv_bias=True, tied_embeddings=True, **SHAPES[role])
     torch.manual_seed(seed)
@@ -73,6 +76,11 @@ def decode(target, proposer, prompt, max_tokens, k) -> tuple[list[int], float, i
         out += step.tokens
         steps += 1
     return out, time.perf_counter() - start, steps
+
+
+def eager(rt: TorchRuntime) -> TorchRuntime:
+    """The same weights, a cache of its own, every pass eager (no CUDA graphs)."""
+    return TorchRuntime(rt.model, rt.capacity, static=False)
 
 
 def random_heads(kind: str, target: TorchRuntime, precision: str, seed: int = 0) -> Heads:
@@ -132,6 +140,12 @@ def main() -> None:
     t32 = random_runtime("target", torch.float32, dev, 1024, seed=0)
     d32 = random_runtime("draft", torch.float32, dev, 1024, seed=1)
     ref, _, _ = decode(t32, None, prompt, 64, 0)
+    ref_eager, _, _ = decode(eager(t32), None, prompt, 64, 0)
+    same = ref_eager == ref
+    results["graphs_equal_eager_plain"] = {"identical": same, "divergence": first_divergence(
+        eager(t32), prompt, ref_eager, ref)}
+    print(f"greedy plain fp32, graphs vs eager: "
+          f"{'identical' if same else results['graphs_equal_eager_plain']}")
     checks = {"draft": (DraftModelProposer, d32, VOCAB), "ngram": (NgramProposer, 1, 4),
               "self": (DraftModelProposer, t32.fork(), VOCAB)}
     for kind in KINDS:  # heads on the device: trees of 8 nodes, EAGLE also a chain and auto
@@ -155,32 +169,40 @@ def main() -> None:
     del t32, d32, checks
     torch.cuda.empty_cache() if dev == "cuda" else None
 
-    # 2. Verify curves in the timing dtype.
+    # 2. Verify curves in the timing dtype, CUDA graphs (the default) and eager.
     target = random_runtime("target", dtype, dev, 2048, seed=0)
     draft = random_runtime("draft", dtype, dev, 2048, seed=1)
+    runtimes = {"target": target, "target eager": eager(target), "draft": draft,
+                "draft eager": eager(draft)}
     curves = {role: measure_forward_curve(rt, SIZES, reps=20, warmup=3)
-              for role, rt in (("target", target), ("draft", draft))}
+              for role, rt in runtimes.items()}
     results["curves"] = {role: c.to_dict() for role, c in curves.items()}
     t1 = curves["target"].seconds[0]
-    print(f"{'tokens':>6} {'target ms':>10} {'x fwd(1)':>9} {'draft ms':>9}")
+    print(f"{'tokens':>6} {'target ms':>10} {'x fwd(1)':>9} {'eager ms':>9} {'draft ms':>9} "
+          f"{'eager ms':>9}")
     for i, n in enumerate(SIZES):
-        tms, dms = curves["target"].seconds[i] * 1e3, curves["draft"].seconds[i] * 1e3
-        print(f"{n:6d} {tms:10.2f} {tms / (t1 * 1e3):9.2f} {dms:9.2f}")
+        ms = [curves[role].seconds[i] * 1e3 for role in runtimes]
+        print(f"{n:6d} {ms[0]:10.2f} {ms[0] / (t1 * 1e3):9.2f} {ms[1]:9.2f} {ms[2]:9.2f} "
+              f"{ms[3]:9.2f}")
 
     # 3. Decode speed: plain, and the target drafting for itself (acceptance 1, k tokens/step).
-    decode(target, None, prompt, 16, 0)  # warm-up
-    _, plain_s, _ = decode(target, None, prompt, args.max_tokens, 0)
-    out, self_s, steps = decode(target, DraftModelProposer(target.fork(), 151_936), prompt,
-                                args.max_tokens, args.k)
-    results["decode"] = {"max_tokens": args.max_tokens, "k": args.k,
-                         "plain_tok_s": args.max_tokens / plain_s,
-                         "self_draft_tok_s": len(out) / self_s, "self_draft_steps": steps}
-    print(f"plain {args.max_tokens / plain_s:.1f} tok/s; target as its own draft, k={args.k}: "
-          f"{len(out) / self_s:.1f} tok/s in {steps} steps")
+    results["decode"] = {}
+    for label, rt in (("graphs", target), ("eager", eager(target))):
+        decode(rt, None, prompt, 16, 0)  # warm-up
+        _, plain_s, _ = decode(rt, None, prompt, args.max_tokens, 0)
+        out, self_s, steps = decode(rt, DraftModelProposer(rt.fork(), VOCAB), prompt,
+                                    args.max_tokens, args.k)
+        results["decode"][label] = {"max_tokens": args.max_tokens, "k": args.k,
+                                    "plain_tok_s": args.max_tokens / plain_s,
+                                    "self_draft_tok_s": len(out) / self_s,
+                                    "self_draft_steps": steps}
+        print(f"{label}: plain {args.max_tokens / plain_s:.1f} tok/s; target as its own draft, "
+              f"k={args.k}: {len(out) / self_s:.1f} tok/s in {steps} steps")
 
-    # 4. Head drafting cost on the device, against a one-token target pass.
+    # 4. Head drafting cost on the device, against a one-token target pass (graphs).
     fwd1 = curves["target"].seconds[0] * 1e3
-    results["head_cost"] = {"target_fwd1_ms": fwd1}
+    results["head_cost"] = {"target_fwd1_ms": fwd1,
+                            "target_eager_fwd1_ms": curves["target eager"].seconds[0] * 1e3}
     print(f"head propose ms (x target fwd(1) = {fwd1:.2f} ms), k={args.k}")
     for kind in KINDS:
         for precision in ("bfloat16", "int8"):

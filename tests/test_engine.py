@@ -170,3 +170,23 @@ def test_reduced_draft_vocabulary_stays_lossless(temperature):
                                     make_generator(0)))
     assert [t for s in steps for t in s.tokens] == expected
     assert all(t < 32 for s in steps[1:] for t in s.tokens[:s.accepted])  # drafts from the subset
+
+
+@pytest.mark.parametrize(("method", "tree"), [("draft", 0), ("ngram", 0), ("eagle", 6),
+                                              ("medusa", 6)])
+def test_static_passes_stay_lossless(method, tree):
+    """Target and draft in the static-shape passes a GPU replays as CUDA graphs (run eagerly
+    here): greedy speculative output equals eager plain decoding, chains and trees."""
+    from conftest import tiny_model
+
+    from forerun.runtime.torch_model import TorchRuntime
+
+    prompt = PROMPTS["repetitive"]
+    target = TorchRuntime(tiny_model(0), capacity=256, static=True)
+    draft = TorchRuntime(tiny_model(0, noise=0.05), capacity=256, static=True)
+    spec = SpecConfig(method, 5, tree=tree, tree_topk=2)
+    proposer = PROPOSERS[method](spec, target, draft, heads_for(method, target))
+    steps = list(speculative_decode(target, proposer, FixedK(5), prompt, SamplingConfig(),
+                                    MAX_NEW, (), make_generator(0)))
+    assert [t for s in steps for t in s.tokens] == plain(prompt=prompt)
+    assert sum(s.accepted for s in steps) > 0 or method in ("eagle", "medusa")

@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from conftest import tiny_runtime
+from conftest import tiny_model, tiny_runtime
+
+from forerun.runtime.torch_model import TorchRuntime
 
 
 def test_block_forward_equals_token_by_token():
@@ -117,3 +119,61 @@ def test_fork_shares_weights_and_keeps_a_cache_of_its_own():
     alone.truncate(0)
     want = alone.forward(torch.cat([y, torch.tensor([9])])).logits[-1:]
     assert torch.allclose(want, second_next, atol=1e-10)
+
+
+def static_runtime(seed: int, capacity: int = 256, vocab: int = 64) -> TorchRuntime:
+    """The static-shape passes a GPU replays as CUDA graphs, run eagerly on the CPU."""
+    return TorchRuntime(tiny_model(seed, vocab), capacity=capacity, static=True)
+
+
+def test_static_passes_equal_the_eager_forward():
+    """Chains of every padded size, hidden states, last_only, a tree pass and its compaction:
+    the static pass (K/V at slots given as data, attention over the whole cache under a mask
+    built from `start` and the new tokens' mask, rows padded to a captured size) computes what
+    the eager forward computes; prompts past the largest size take the eager forward."""
+    eager, static = tiny_runtime(7), static_runtime(7)
+    tokens = torch.randint(0, 64, (120,), generator=torch.Generator().manual_seed(0))
+    for rt in (eager, static):
+        rt.forward(tokens[:70])  # 70 > STATIC_SIZES[-1]: the eager path in both
+    at = 70
+    for n in (1, 2, 3, 5, 9, 17, 33):  # padded to 1, 2, 4, 8, 16, 32, 64
+        a, b = (rt.forward(tokens[at - 60:at - 60 + n], hidden_layers=(-1,))
+                for rt in (eager, static))
+        assert torch.allclose(a.logits, b.logits, atol=1e-10) and b.logits.shape == (n, 64)
+        assert torch.allclose(a.hidden[-1], b.hidden[-1], atol=1e-10)
+        at += n
+    assert eager.length == static.length == at
+    a, b = (rt.forward(tokens[:4], last_only=True) for rt in (eager, static))
+    assert b.logits.shape == (1, 64) and torch.allclose(a.logits, b.logits, atol=1e-10)
+    start = eager.length
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]).bool()
+    positions = torch.tensor([start, start + 1, start + 1, start + 2])
+    a, b = (rt.forward(tokens[10:14], positions=positions, tree_mask=mask)
+            for rt in (eager, static))
+    assert torch.allclose(a.logits, b.logits, atol=1e-10)
+    for rt in (eager, static):
+        rt.keep(start, [0, 2, 3])
+    a, b = (rt.forward(tokens[20:21]) for rt in (eager, static))
+    assert torch.allclose(a.logits, b.logits, atol=1e-10)
+
+
+def test_static_passes_near_the_end_of_the_cache_and_in_a_fork():
+    """A pass whose padded rows would run past the cache takes the eager forward; a fork
+    records its own passes (they write its cache, not the original's)."""
+    eager, static = tiny_runtime(8, capacity=40), static_runtime(8, capacity=40)
+    tokens = torch.arange(1, 50)
+    for rt in (eager, static):
+        rt.forward(tokens[:37])
+    assert not static._static.fits(37, 3, ())  # padded to 4: slot 40 is past the cache
+    a, b = (rt.forward(tokens[37:40]) for rt in (eager, static))  # so: eager
+    assert torch.allclose(a.logits, b.logits, atol=1e-10) and static.length == 40
+    for rt in (eager, static):
+        rt.truncate(35)
+    assert static._static.fits(35, 3, ())
+    a, b = (rt.forward(tokens[:3]) for rt in (eager, static))  # 35 + 4 <= 40: static
+    assert torch.allclose(a.logits, b.logits, atol=1e-10)
+    twin = static.fork()
+    assert twin._static is not static._static
+    first = twin.forward(torch.tensor([5, 6, 7])).logits
+    static.truncate(0)
+    assert torch.allclose(static.forward(torch.tensor([5, 6, 7])).logits, first, atol=1e-12)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forerun.runtime.base import ForwardOutput, ModelConfig
+from forerun.runtime.static import StaticPasses
 
 # Canonical parameter names a loader must provide; "{i}" is the layer index.
 CANONICAL_NAMES = (
@@ -168,9 +169,12 @@ class Transformer(nn.Module):
 class TorchRuntime:
     """Runtime over our Transformer: one sequence, a static KV cache of `capacity` slots."""
 
-    def __init__(self, model: Transformer, capacity: int, prepack: bool | None = None):
+    def __init__(self, model: Transformer, capacity: int, prepack: bool | None = None,
+                 static: bool | None = None):
         """`prepack`: reorder the weights for oneDNN (default: where it applies, CPU float32 and
-        bfloat16); the model is changed in place."""
+        bfloat16); the model is changed in place. `static`: run decode-sized passes in static
+        shapes (forerun.runtime.static), replayed as CUDA graphs on a GPU (default: on a GPU
+        only; True on the CPU runs them eagerly, for tests)."""
         cfg = model.cfg
         self.config, self.model = cfg, model
         param = model.embed.weight
@@ -190,6 +194,11 @@ class TorchRuntime:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cos, self.sin = rope_tables(cfg, self._capacity, self.dtype, self.device)
         self._length = 0
+        self._static_on = self.device.type == "cuda" if static is None else static
+        self._static = self._new_static()
+
+    def _new_static(self) -> StaticPasses | None:
+        return StaticPasses(self, graphs=self.device.type == "cuda") if self._static_on else None
 
     @property
     def length(self) -> int:
@@ -220,6 +229,7 @@ class TorchRuntime:
         twin = copy.copy(self)
         twin.k_cache, twin.v_cache = torch.zeros_like(self.k_cache), torch.zeros_like(self.v_cache)
         twin._length = 0
+        twin._static = twin._new_static()  # graphs write this cache: the twin records its own
         return twin
 
     def limit_vocab(self, ids) -> None:
@@ -237,6 +247,7 @@ class TorchRuntime:
         weight = self.model.lm_weight().detach()[ids.to(self.device)].contiguous()  # [N, D]
         self._head = PackedLinear(weight) if self.prepacked else (lambda x: F.linear(x, weight))
         self._head_weight, self._vocab_ids = weight, ids.to(self.device)
+        self._static = self._new_static()  # recorded passes hold the old head
 
     @torch.inference_mode()
     def forward(self, tokens, *, positions=None, tree_mask=None, last_only=False,
@@ -244,6 +255,13 @@ class TorchRuntime:
         start, T = self._length, tokens.shape[0]
         if start + T > self._capacity:
             raise ValueError(f"context full: {start} + {T} tokens > capacity {self._capacity}")
+        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        if self._static is not None and self._static.fits(start, T, hidden_layers):
+            logits, h = self._static.forward(tokens, positions, tree_mask, start)
+            self._length = start + T
+            hidden = {-1: h} if -1 in hidden_layers else {}  # every row, as below
+            return ForwardOutput((logits[-1:] if last_only else logits).to("cpu", out_dtype),
+                                 hidden)
         tokens = tokens.to(self.device)
         if positions is None:
             positions = torch.arange(start, start + T, device=self.device)
@@ -256,20 +274,28 @@ class TorchRuntime:
             if i in hidden_layers:
                 hidden[i] = x
         if -1 in hidden_layers:  # every row, even under last_only (a head's prefill needs them)
-            hidden[-1] = rms_norm(x, self.model.norm, self.config.norm_eps)
-            x = hidden[-1][-1:] if last_only else hidden[-1]
+            h, logits = self.head(x, last_only)
+            hidden[-1] = h
         else:
-            x = rms_norm(x[-1:] if last_only else x, self.model.norm, self.config.norm_eps)
-        logits = self._head(x)  # [T, V], or [T, N] under limit_vocab
+            _, logits = self.head(x[-1:] if last_only else x)
+        self._length = start + T
+        # Sampling and verification run on the CPU with a CPU generator: [T, V] is a small copy.
+        return ForwardOutput(logits.to("cpu", out_dtype), hidden)
+
+    def head(self, x: torch.Tensor, last_only: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's output x [T, D] -> (final normed hidden [T, D], logits [T, V] or
+        [1, V] under last_only: float32 (float64 for a float64 model), -inf outside a limited
+        vocabulary)."""
+        h = rms_norm(x, self.model.norm, self.config.norm_eps)
+        rows = h[-1:] if last_only else h
+        logits = self._head(rows)  # [T, V], or [T, N] under limit_vocab
         if self.dtype in LOW_PRECISION:
-            logits = refine_top_logits(logits, x, self._head_weight)
+            logits = refine_top_logits(logits, rows, self._head_weight)
         if self._vocab_ids is not None:  # back to [T, V], -inf outside the kept tokens
             logits = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf")
                                      ).index_copy_(1, self._vocab_ids, logits)
-        self._length = start + T
-        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        # Sampling and verification run on the CPU with a CPU generator: [T, V] is a small copy.
-        return ForwardOutput(logits.to("cpu", out_dtype), hidden)
+        return h, logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)
 
     def _mask(self, start: int, T: int, tree_mask) -> torch.Tensor | None:
         """[T, start+T] bool: every cached slot, then causal (or the tree) among the new tokens."""
