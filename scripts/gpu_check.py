@@ -102,9 +102,15 @@ def random_heads(kind: str, target: TorchRuntime, precision: str, seed: int = 0)
 
 
 def head_proposer(kind: str, target: TorchRuntime, precision: str, tree: int, k: int,
-                  topk: int = 2):
+                  topk: int = 2, graphs: bool = True):
+    """A head proposer as the CLI builds it; EAGLE steps replay CUDA graphs on a GPU (the
+    default) unless `graphs` is False."""
     heads = random_heads(kind, target, precision)
-    return PROPOSERS[kind](SpecConfig(kind, k, tree=tree, tree_topk=topk), target, None, heads)
+    proposer = PROPOSERS[kind](SpecConfig(kind, k, tree=tree, tree_topk=topk), target, None,
+                               heads)
+    if not graphs:
+        proposer.static = None
+    return proposer
 
 
 def first_divergence(target, prompt, a, b) -> dict | None:
@@ -154,6 +160,7 @@ def main() -> None:
     checks["eagle-auto"] = (head_proposer, "eagle", t32, "float32", AUTO_TREE, args.k)
     for precision in ("bfloat16", "int8"):  # drafts may change, the output may not
         checks[f"eagle-tree8-{precision}"] = (head_proposer, "eagle", t32, precision, 8, args.k)
+    checks["eagle-tree8-eager"] = (head_proposer, "eagle", t32, "float32", 8, args.k, 2, False)
     results["equality"] = {}
     for name, (make, *make_args) in checks.items():
         try:
@@ -204,21 +211,23 @@ def main() -> None:
     results["head_cost"] = {"target_fwd1_ms": fwd1,
                             "target_eager_fwd1_ms": curves["target eager"].seconds[0] * 1e3}
     print(f"head propose ms (x target fwd(1) = {fwd1:.2f} ms), k={args.k}")
-    for kind in KINDS:
-        for precision in ("bfloat16", "int8"):
-            row = {}
-            # a chain of k; 8 nodes of a tree k deep, 2 children a node; 32 nodes, 8 deep, 4
-            for label, tree, k, topk in (("chain", 0, args.k, 1), ("tree8", 8, args.k, 2),
-                                         ("tree32", 32, 8, 4)):
-                try:
-                    row[label] = propose_ms(head_proposer(kind, target, precision, tree, k, topk),
-                                            target, prompt, k)
-                except Exception as e:
-                    row[label] = repr(e)
-            results["head_cost"][f"{kind}-{precision}"] = row
-            print(f"{kind:7s} {precision:9s} " + "  ".join(
-                f"{label} {v:6.2f} ms ({v / fwd1:.2f}x)" if isinstance(v, float) else
-                f"{label} {v}" for label, v in row.items()))
+    rows = [(kd, p, g) for kd in KINDS for p in ("bfloat16", "int8")
+            for g in ((True, False) if "eagle" in kd else (True,))]  # EAGLE: graphs and eager
+    for kind, precision, graphs in rows:
+        row = {}
+        # a chain of k; 8 nodes of a tree k deep, 2 children a node; 32 nodes, 8 deep, 4
+        for label, tree, k, topk in (("chain", 0, args.k, 1), ("tree8", 8, args.k, 2),
+                                     ("tree32", 32, 8, 4)):
+            try:
+                row[label] = propose_ms(head_proposer(kind, target, precision, tree, k, topk,
+                                                      graphs), target, prompt, k)
+            except Exception as e:
+                row[label] = repr(e)
+        name = f"{kind}-{precision}" + ("" if graphs else "-eager")
+        results["head_cost"][name] = row
+        print(f"{name:22s} " + "  ".join(
+            f"{label} {v:6.2f} ms ({v / fwd1:.2f}x)" if isinstance(v, float) else
+            f"{label} {v}" for label, v in row.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

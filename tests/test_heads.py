@@ -568,3 +568,59 @@ def test_train_command_then_generate_with_the_heads(tmp_path):
     r = subprocess.run([*base, "generate", *common, "--heads", str(tmp_path), "--method",
                         "eagle", "hi"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "no heads here" in r.stderr
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("tree", [0, 6, AUTO_TREE])
+def test_eagle_static_steps_draft_as_the_eager_ones(kind, tree):
+    """EAGLE's steps in static shapes (replayed as CUDA graphs on a GPU; eagerly here): the
+    same drafts as the eager steps, step after step (catching up, tree levels, padding to the
+    next size, the prompt's long catch-up left eager), and greedy output equal to plain."""
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+    runs = {}
+    for static in (False, True):
+        target = tiny_runtime(0)
+        heads = random_heads(kind, target)
+        proposer = HeadProposer(heads, target.capacity, tree, 2, verify=lambda n: 1.0 + n / 8,
+                                static=static)
+        assert (proposer.static is not None) == static
+        drafts, propose = [], proposer.propose
+
+        def recording(*args, propose=propose, drafts=drafts):
+            draft = propose(*args)
+            drafts.append((draft.tokens.tolist(), None if draft.parents is None
+                           else draft.parents.tolist()))
+            return draft
+
+        proposer.propose = recording
+        steps = speculative_decode(target, proposer, FixedK(5), prompt, GREEDY, 30, (),
+                                   make_generator(0))
+        runs[static] = ([t for s in steps for t in s.tokens], drafts)
+        assert bool(proposer.static and proposer.static._steps) == static  # the path was taken
+    assert runs[True] == runs[False]
+    assert runs[True][0] == [t for s in plain_decode(tiny_runtime(0), prompt, GREEDY, 30, (),
+                                                      make_generator(0)) for t in s.tokens]
+
+
+def test_eagle_proposers_of_one_sequence_reuse_its_cache():
+    """A server makes a proposer per request: an EAGLE proposer for the same target runtime
+    and heads takes over the last one's cache and recorded steps (recording CUDA graphs anew
+    would cost every request); another runtime, or other heads, get their own; decoding after
+    the hand-over still equals plain decoding."""
+    target, other = tiny_runtime(0), tiny_runtime(0)
+    heads = random_heads("eagle", target)
+    spec = SpecConfig("eagle", 4, tree=5, tree_topk=2)
+    first = PROPOSERS["eagle"](spec, target, None, heads)
+    second = PROPOSERS["eagle"](spec, target, None, heads)
+    assert second.k_cache is first.k_cache and second.static is first.static
+    assert PROPOSERS["eagle"](spec, other, None, heads).k_cache is not first.k_cache
+    assert PROPOSERS["eagle"](spec, target, None, random_heads("eagle", target)
+                              ).k_cache is not first.k_cache
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+    want = [t for s in plain_decode(tiny_runtime(0), prompt, GREEDY, 20, (), make_generator(0))
+            for t in s.tokens]
+    for _ in range(2):  # the second run starts from the first one's leftover cache
+        proposer = PROPOSERS["eagle"](spec, target, None, heads)
+        got = [t for s in speculative_decode(target, proposer, FixedK(4), prompt, GREEDY, 20,
+                                             (), make_generator(0)) for t in s.tokens]
+        assert got == want

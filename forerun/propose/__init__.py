@@ -75,7 +75,7 @@ def _heads(spec: SpecConfig, target: Runtime, draft: Runtime | None, heads=None)
     prompt_features = not getattr(target, "hidden_rows_cost_logits", False)
     lookup = LookupBranch(spec.ngram_min, spec.ngram_max) if spec.lookup else None
     return HeadProposer(heads, target.capacity, spec.tree, spec.tree_topk, verify,
-                        prompt_features, lookup)
+                        prompt_features, lookup, sequence=target)
 
 
 # method -> factory(spec, target, draft runtime or None, heads or None)

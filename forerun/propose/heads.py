@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import math
 from time import perf_counter
+from weakref import WeakKeyDictionary
 
 import torch
 
 from forerun.heads import Heads
 from forerun.propose.base import Draft
 from forerun.propose.ngram import LookupBranch
+from forerun.runtime.static import StaticHeadSteps
 from forerun.tree import Candidate, best_budget, graft, grow_tree, match_depth
 
 TREE_SLACK = 256  # EAGLE cache slots past the context for a draft tree's nodes
@@ -53,6 +55,8 @@ HEAD_SECONDS_MEMORY = 0.2  # weight of the newest step in the head's running sec
 # next `idle` steps (features wait, EAGLE's backlog is absorbed in one batched step), then it
 # probes again; `idle` doubles after each empty probe, up to MAX_IDLE, and resets on a draft.
 MIN_IDLE, MAX_IDLE = 4, 64
+# target runtime -> (key, EAGLE k/v cache, static steps) of its last EAGLE proposer
+_EAGLE_CACHES: WeakKeyDictionary = WeakKeyDictionary()
 
 
 class HeadProposer:
@@ -60,13 +64,19 @@ class HeadProposer:
     # a llama.cpp one; w8a8 ~5% of llama.cpp's on an AVX2-only CPU) is measured as it drafts
     # (head_seconds) and priced by the automatic budget
     runtime = None
+    static: StaticHeadSteps | None = None  # EAGLE: its steps in static shapes (CUDA graphs)
 
     def __init__(self, heads: Heads, capacity: int, tree: int = 0, topk: int = 4,
-                 verify=None, prompt_features: bool = True, lookup: LookupBranch | None = None):
+                 verify=None, prompt_features: bool = True, lookup: LookupBranch | None = None,
+                 static: bool | None = None, sequence=None):
         """`tree`: node budget (0 = a chain of k, AUTO_TREE = from `verify`, the target's
         seconds per forward of n tokens); `topk`: children per expanded node;
         `prompt_features`: read the prompt's features after prefill (else start drafting from
-        the first generated token's); `lookup`: also draft the prompt-lookup continuation."""
+        the first generated token's); `lookup`: also draft the prompt-lookup continuation;
+        `static`: EAGLE steps in static shapes, CUDA graphs on a GPU (default: on a GPU only;
+        True on the CPU runs them eagerly, for tests); `sequence`: the target runtime this
+        proposer drafts for, whose later proposers reuse its EAGLE cache and graphs (a server
+        makes a proposer per request; recording graphs anew each time would cost every one)."""
         if tree == AUTO_TREE and verify is None:
             raise ValueError("an automatic tree budget needs the target's verify-cost curve")
         self.heads, self.cfg = heads, heads.cfg
@@ -79,7 +89,20 @@ class HeadProposer:
         if lookup is not None:
             self.name = f"{self.name}+lookup"
         if self.eagle:
-            self.k_cache, self.v_cache = heads.new_cache(capacity + TREE_SLACK)
+            use_static = self.device.type == "cuda" if static is None else static
+            key = (heads, capacity, use_static)  # holds the heads: no id is reused
+            last = _EAGLE_CACHES.get(sequence) if sequence is not None else None
+            if last is not None and last[0][0] is heads and last[0][1:] == key[1:]:
+                # the sequence's last proposer's cache (and its recorded graphs): one
+                # sequence decodes one request at a time, and prefill resets what is valid
+                _, self.k_cache, self.v_cache, self.static = _EAGLE_CACHES[sequence]
+            else:
+                self.k_cache, self.v_cache = heads.new_cache(capacity + TREE_SLACK)
+                if use_static:
+                    self.static = StaticHeadSteps(heads, self.k_cache, self.v_cache,
+                                                  graphs=self.device.type == "cuda")
+                if sequence is not None:
+                    _EAGLE_CACHES[sequence] = (key, self.k_cache, self.v_cache, self.static)
         self.prefill([])
 
     def prefill(self, prompt: list[int]) -> None:
@@ -217,7 +240,7 @@ class HeadProposer:
         return heads.logits(z)[0].log_softmax(-1), expand
 
     def _eagle(self, tokens: list[int]):
-        heads, start, first = self.heads, self.committed, self.first
+        start, first = self.committed, self.first
         # 1. Bring the cache up to the target's: entry t from (f_t, x_{t+1}); slot s holds
         # sequence position first + s (RoPE sees relative positions only).
         features = torch.cat(self.waiting)  # [n, D]
@@ -226,11 +249,10 @@ class HeadProposer:
         if first + start + n != len(tokens) - 1:  # a runtime that returned too few rows
             raise RuntimeError(f"the EAGLE head holds features of {first + start + n} tokens, "
                                f"the target's cache {len(tokens) - 1}")
-        dev = self.device
-        positions = torch.arange(start, start + n, device=dev)
-        nexts = torch.tensor(tokens[first + start + 1:first + start + 1 + n], device=dev)  # [n]
-        mask = None if n == 1 else causal(start, n).to(dev)
-        o = heads.eagle_step(features, nexts, positions, self.k_cache, self.v_cache, start, mask)
+        positions = torch.arange(start, start + n)
+        nexts = torch.tensor(tokens[first + start + 1:first + start + 1 + n])  # [n]
+        o, logprobs = self._step(features, nexts, positions, start,
+                                 None if n == 1 else causal(start, n), last_only=True)
         self.committed = start + n  # == len(tokens) - 1 - first
         root_o, root_pos = o[-1:], start + n - 1  # [1, D]: predicts the first draft token
         # 2. Drafted nodes append after the committed entries, attending to their ancestors.
@@ -240,8 +262,8 @@ class HeadProposer:
             slot = self.committed + len(state)
             feats = torch.cat([state[c.parent][0] if c.parent >= 0 else root_o
                                for c in (found[i] for i in frontier)])  # [F, D]
-            token = self._target_ids([found[i].token for i in frontier])  # [F]
-            pos = torch.tensor([root_pos + found[i].depth for i in frontier], device=dev)  # [F]
+            token = self.vocab_ids[torch.tensor([found[i].token for i in frontier])]  # [F]
+            pos = torch.tensor([root_pos + found[i].depth for i in frontier])  # [F]
             m = torch.zeros(len(frontier), slot + len(frontier), dtype=torch.bool)
             m[:, :self.committed] = True
             for r, i in enumerate(frontier):
@@ -250,12 +272,24 @@ class HeadProposer:
                 while a >= 0:
                     m[r, state[a][1]] = True
                     a = found[a].parent
-            out = heads.eagle_step(feats, token, pos, self.k_cache, self.v_cache, slot,
-                                   m.to(dev))
+            out, lp = self._step(feats, token, pos, slot, m)
             state.update({i: (out[r:r + 1], slot + r) for r, i in enumerate(frontier)})
-            return heads.logits(out).log_softmax(-1)
+            return lp
 
-        return heads.logits(root_o)[0].log_softmax(-1), expand
+        return logprobs[-1], expand
+
+    def _step(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+              slot: int, mask: torch.Tensor | None, last_only: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One EAGLE step: features [T, D], target ids and positions [T] (host), cache slots
+        slot.., mask [T, slot+T] (host; None = causal) -> (o [T, D], log-probs [T, N], or of
+        the last row at least under last_only: a prompt's catch-up needs no more)."""
+        if self.static is not None and self.static.fits(slot, features.shape[0]):
+            return self.static.step(features, tokens, positions, slot, mask)
+        dev, heads = self.device, self.heads
+        o = heads.eagle_step(features, tokens.to(dev), positions.to(dev), self.k_cache,
+                             self.v_cache, slot, None if mask is None else mask.to(dev))
+        return o, heads.logits(o[-1:] if last_only else o).log_softmax(-1)
 
 
 def causal(start: int, n: int) -> torch.Tensor:

@@ -19,6 +19,9 @@ A pass over T tokens runs at the smallest captured size B >= T, padded:
 On the CPU (tests) the same static pass runs eagerly, so its masking and padding are checked
 against the plain forward without a GPU. Passes with more tokens (prompts), other hidden layers
 than the final one, or too close to the end of the cache take the plain eager forward.
+
+`StaticHeadSteps` does the same for an EAGLE head's step (1-32 rows: catching up with the
+target, then one tree level at a time), over one proposer's head cache.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class StaticPasses:
         if not self.graphs:
             p.run()
         elif p.graph is None:
-            p.capture(self._pool)
+            _capture(p, self._pool)
         else:
             p.graph.replay()
         return p.logits[:T], p.hidden[:T].clone()
@@ -115,20 +118,6 @@ class _Pass:
         self.hidden.copy_(h)
         self.logits.copy_(logits)
 
-    def capture(self, pool) -> None:
-        """Warm up on a side stream (the same inputs: its cache writes are the pass's own),
-        record the pass, then replay it once for the call that asked."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.run()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.run()
-        self.graph.replay()
-
-
 def static_block(layer, x, cos, sin, k_cache, v_cache, slots, mask):
     """`Block.forward` with data-dependent cache slots: x [B, D]; k_cache, v_cache [Hkv, C, hd];
     slots [B]; mask [B, C] bool over the whole cache."""
@@ -147,3 +136,107 @@ def static_block(layer, x, cos, sin, k_cache, v_cache, slots, mask):
     x = x + layer.wo(attn[0].transpose(0, 1).reshape(B, layer.q_size))
     gate, up = layer.w_gate_up(rms_norm(x, layer.ffn_norm, cfg.norm_eps)).chunk(2, dim=-1)
     return x + layer.w_down(F.silu(gate) * up)
+
+
+HEAD_SIZES = (1, 2, 4, 8, 16, 32)  # padded rows of an EAGLE head step
+
+
+class StaticHeadSteps:
+    """An EAGLE head's step (fc, its decoder layer, logits, log-softmax) in static shapes over
+    one proposer's head cache, replayed as CUDA graphs on a GPU (eagerly on the CPU, in tests).
+    A step of T rows runs at the smallest size B >= T: rows past T are padding that sees only
+    its own slot; the mask over the cache comes in whole ([B, C], built on the host), since a
+    draft node attends to its ancestors' slots, not to a causal block."""
+
+    def __init__(self, heads, k_cache: torch.Tensor, v_cache: torch.Tensor, graphs: bool):
+        self.heads, self.k_cache, self.v_cache, self.graphs = heads, k_cache, v_cache, graphs
+        self.capacity = k_cache.shape[1]
+        self.sizes = tuple(b for b in HEAD_SIZES if b <= self.capacity)
+        self._steps: dict[int, _HeadStep] = {}
+        self._pool = torch.cuda.graph_pool_handle() if graphs else None
+
+    def fits(self, slot: int, T: int) -> bool:
+        return 0 < T <= self.sizes[-1] and slot + self.bucket(T) <= self.capacity
+
+    def bucket(self, T: int) -> int:
+        return next(b for b in self.sizes if b >= T)
+
+    def step(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             slot: int, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """features [T, D] (device), tokens and positions [T] (host), new rows at cache slots
+        slot.., mask [T, slot+T] bool (None: every earlier slot and its own) -> (o [T, D],
+        log-probabilities [T, N]), copies of the static outputs."""
+        T = features.shape[0]
+        B = self.bucket(T)
+        s = self._steps.get(B)
+        if s is None:
+            s = self._steps[B] = _HeadStep(self, B)
+        s.load(features, tokens, positions, slot, mask)
+        if not self.graphs:
+            s.run()
+        elif s.graph is None:
+            _capture(s, self._pool)
+        else:
+            s.graph.replay()
+        return s.o[:T].clone(), s.logprobs[:T].clone()
+
+
+class _HeadStep:
+    def __init__(self, owner: StaticHeadSteps, B: int):
+        self.owner, self.B, self.graph = owner, B, None
+        heads, C = owner.heads, owner.capacity
+        dev, pin = heads.device, heads.device.type == "cuda"
+        D, N = heads.cfg.dim, heads.vocab_ids.shape[0]
+        self.host = torch.zeros(2 * B + 1, dtype=torch.long, pin_memory=pin)
+        self.host_mask = torch.zeros(B, C, dtype=torch.bool, pin_memory=pin)
+        self.inputs = torch.zeros_like(self.host, device=dev)
+        self.tokens, self.positions, self.slot = (self.inputs[:B], self.inputs[B:2 * B],
+                                                  self.inputs[2 * B:])
+        self.mask = torch.zeros_like(self.host_mask, device=dev)  # [B, C]
+        self.features = torch.zeros(B, D, device=dev)  # [B, D] float32
+        self.offsets = torch.arange(B, device=dev)
+        self.o = torch.zeros(B, D, device=dev)
+        self.logprobs = torch.zeros(B, N, device=dev)
+
+    def load(self, features, tokens, positions, slot: int, mask) -> None:
+        B, T, h, hm = self.B, features.shape[0], self.host, self.host_mask
+        h.zero_()
+        h[:T] = tokens
+        pos = torch.full((B,), int(positions[-1]))  # padding: any position in the table
+        pos[:T] = positions
+        h[B:2 * B] = pos
+        h[2 * B] = slot
+        hm.zero_()
+        if mask is None:
+            hm[:T, :slot + T] = torch.ones(T, slot + T, dtype=torch.bool).tril(slot)
+        else:
+            hm[:T, :slot + T] = mask
+        hm[torch.arange(T, B), slot + torch.arange(T, B)] = True  # padding sees itself
+        self.inputs.copy_(h, non_blocking=True)
+        self.mask.copy_(hm, non_blocking=True)
+        self.features[:T] = features
+        self.features[T:] = 0
+
+    def run(self) -> None:
+        owner = self.owner
+        heads = owner.heads
+        x = heads.fc(torch.cat([self.features, heads.embed_of(self.tokens)], dim=-1))  # [B, D]
+        cos, sin = heads.cos[self.positions], heads.sin[self.positions]
+        out = static_block(heads.layer, x, cos, sin, owner.k_cache, owner.v_cache,
+                           self.slot + self.offsets, self.mask)
+        self.o.copy_(out)
+        self.logprobs.copy_(heads.logits(out).log_softmax(-1))
+
+
+def _capture(p, pool) -> None:
+    """Warm up on a side stream (the same inputs: its cache writes are the step's own), record
+    the step as a CUDA graph, then replay it once for the call that asked."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        p.run()
+    torch.cuda.current_stream().wait_stream(stream)
+    p.graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(p.graph, pool=pool):
+        p.run()
+    p.graph.replay()
