@@ -113,6 +113,18 @@ def head_proposer(kind: str, target: TorchRuntime, precision: str, tree: int, k:
     return proposer
 
 
+def reused_eagle(target: TorchRuntime, prompt: list[int], k: int):
+    """A second EAGLE proposer for the same target and heads, as a server's next request gets
+    it: it takes over the first one's cache and recorded graphs, after a whole decode."""
+    heads = random_heads("eagle", target, "float32")
+    spec = SpecConfig("eagle", k, tree=8, tree_topk=2)
+    first = PROPOSERS["eagle"](spec, target, None, heads)
+    decode(target, first, prompt, 64, k)
+    proposer = PROPOSERS["eagle"](spec, target, None, heads)
+    assert proposer.k_cache is first.k_cache and proposer.static is first.static
+    return proposer
+
+
 def first_divergence(target, prompt, a, b) -> dict | None:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -161,6 +173,7 @@ def main() -> None:
     for precision in ("bfloat16", "int8"):  # drafts may change, the output may not
         checks[f"eagle-tree8-{precision}"] = (head_proposer, "eagle", t32, precision, 8, args.k)
     checks["eagle-tree8-eager"] = (head_proposer, "eagle", t32, "float32", 8, args.k, 2, False)
+    checks["eagle-tree8-reused"] = (reused_eagle, t32, prompt, args.k)
     results["equality"] = {}
     for name, (make, *make_args) in checks.items():
         try:
