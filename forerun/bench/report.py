@@ -220,10 +220,20 @@ def plot(path: Path, cells: list[Cell], title: str) -> None:
         width = 0.8 / max(1, len(labels))
         for j, label in enumerate(labels):
             vals = {c.category: c.speedup for c in cs if c.label == label}
+            decode = {c.category: c.decode_speedup for c in cs if c.label == label}
             xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(cats))]
             ax.bar(xs, [vals.get(cat, 0.0) for cat in cats], width, label=label,
                    hatch="//" if label.startswith(("hf", "llama.cpp")) else None)
+            # the decode speedup (after the first token) as a tick on each bar
+            marks = [(x, decode[cat]) for x, cat in zip(xs, cats, strict=True)
+                     if decode.get(cat)]
+            if marks:
+                ax.hlines([y for _, y in marks], [x - width / 2 for x, _ in marks],
+                          [x + width / 2 for x, _ in marks], color="black", lw=2, zorder=3,
+                          label="decode speedup (after the first token)" if j == 0 else None)
         ax.axhline(1.0, color="black", lw=1, ls="--")
+        top = max([1.0, *(c.speedup for c in cs), *(c.decode_speedup for c in cs)])
+        ax.set_ylim(0, top * 1.25)  # room for the legend above the bars
         ax.set_xticks(range(len(cats)), cats)
         ax.set_ylabel("speedup vs forerun plain")
         ax.set_title(f"{title} (temperature {temp:g})")
