@@ -59,12 +59,7 @@ class StaticPasses:
         if p is None:
             p = self._passes[B] = _Pass(self.rt, B)
         p.load(tokens, positions, tree_mask, start)
-        if not self.graphs:
-            p.run()
-        elif p.graph is None:
-            _capture(p, self._pool)
-        else:
-            p.graph.replay()
+        _play(p, self.graphs, self._pool)
         return p.logits[:T], p.hidden[:T].clone()
 
 
@@ -121,21 +116,13 @@ class _Pass:
 def static_block(layer, x, cos, sin, k_cache, v_cache, slots, mask):
     """`Block.forward` with data-dependent cache slots: x [B, D]; k_cache, v_cache [Hkv, C, hd];
     slots [B]; mask [B, C] bool over the whole cache."""
-    from forerun.runtime.torch_model import apply_rope, rms_norm
-
-    cfg, B = layer.cfg, x.shape[0]
-    qkv = layer.wqkv(rms_norm(x, layer.attn_norm, cfg.norm_eps))  # [B, (H+2Hkv)*hd]
-    q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-    q = apply_rope(q.view(B, cfg.n_heads, -1).transpose(0, 1), cos, sin)  # [H, B, hd]
-    k = apply_rope(k.view(B, cfg.n_kv_heads, -1).transpose(0, 1), cos, sin)  # [Hkv, B, hd]
+    q, k, v = layer.qkv(x, cos, sin)  # [H, B, hd], [Hkv, B, hd] x2
     k_cache.index_copy_(1, slots, k)
-    v_cache.index_copy_(1, slots, v.view(B, cfg.n_kv_heads, -1).transpose(0, 1))
+    v_cache.index_copy_(1, slots, v)
     attn = F.scaled_dot_product_attention(
         q.unsqueeze(0), k_cache.unsqueeze(0), v_cache.unsqueeze(0),
         attn_mask=mask, enable_gqa=True)  # [1, H, B, hd]
-    x = x + layer.wo(attn[0].transpose(0, 1).reshape(B, layer.q_size))
-    gate, up = layer.w_gate_up(rms_norm(x, layer.ffn_norm, cfg.norm_eps)).chunk(2, dim=-1)
-    return x + layer.w_down(F.silu(gate) * up)
+    return layer.finish(x, attn)
 
 
 HEAD_SIZES = (1, 2, 4, 8, 16, 32)  # padded rows of an EAGLE head step
@@ -172,12 +159,7 @@ class StaticHeadSteps:
         if s is None:
             s = self._steps[B] = _HeadStep(self, B)
         s.load(features, tokens, positions, slot, mask)
-        if not self.graphs:
-            s.run()
-        elif s.graph is None:
-            _capture(s, self._pool)
-        else:
-            s.graph.replay()
+        _play(s, self.graphs, self._pool)
         return s.o[:T].clone(), s.logprobs[:T].clone()
 
 
@@ -228,9 +210,19 @@ class _HeadStep:
         self.logprobs.copy_(heads.logits(out).log_softmax(-1))
 
 
+def _play(p, graphs: bool, pool) -> None:
+    """Run a loaded pass or step `p`: eagerly (CPU), else its graph, recorded at first use."""
+    if not graphs:
+        p.run()
+    elif p.graph is None:
+        _capture(p, pool)
+    else:
+        p.graph.replay()
+
+
 def _capture(p, pool) -> None:
-    """Warm up on a side stream (the same inputs: its cache writes are the step's own), record
-    the step as a CUDA graph, then replay it once for the call that asked."""
+    """Warm up on a side stream (the same inputs: its cache writes are the pass's own), record
+    the pass as a CUDA graph, then replay it once for the call that asked."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

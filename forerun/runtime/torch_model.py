@@ -118,19 +118,29 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
         # x: [T, D]; k_cache, v_cache: [Hkv, capacity, hd]; mask: [T, start+T] bool or None
+        T = x.shape[0]
+        q, k, v = self.qkv(x, cos, sin)
+        k_cache[:, start:start + T] = k
+        v_cache[:, start:start + T] = v
+        keys, values = k_cache[:, :start + T], v_cache[:, :start + T]  # [Hkv, S, hd]
+        attn = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask, enable_gqa=True)  # [1, H, T, hd]
+        return self.finish(x, attn)
+
+    def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> q [H, T, hd], k [Hkv, T, hd] (both rotated), v [Hkv, T, hd]."""
         cfg, T = self.cfg, x.shape[0]
         qkv = self.wqkv(rms_norm(x, self.attn_norm, cfg.norm_eps))  # [T, (H+2Hkv)*hd]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(T, cfg.n_heads, -1).transpose(0, 1), cos, sin)  # [H, T, hd]
         k = apply_rope(k.view(T, cfg.n_kv_heads, -1).transpose(0, 1), cos, sin)  # [Hkv, T, hd]
-        k_cache[:, start:start + T] = k
-        v_cache[:, start:start + T] = v.view(T, cfg.n_kv_heads, -1).transpose(0, 1)
-        keys, values = k_cache[:, :start + T], v_cache[:, :start + T]  # [Hkv, S, hd]
-        attn = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=mask, enable_gqa=True)  # [1, H, T, hd]
-        x = x + self.wo(attn[0].transpose(0, 1).reshape(T, self.q_size))
-        gate, up = self.w_gate_up(rms_norm(x, self.ffn_norm, cfg.norm_eps)).chunk(2, dim=-1)
+        return q, k, v.view(T, cfg.n_kv_heads, -1).transpose(0, 1)
+
+    def finish(self, x, attn) -> torch.Tensor:
+        """x [T, D] and its attention output [1, H, T, hd] -> the block's output [T, D]."""
+        x = x + self.wo(attn[0].transpose(0, 1).reshape(x.shape[0], self.q_size))
+        gate, up = self.w_gate_up(rms_norm(x, self.ffn_norm, self.cfg.norm_eps)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)
 
 
