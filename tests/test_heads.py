@@ -624,3 +624,19 @@ def test_eagle_proposers_of_one_sequence_reuse_its_cache():
         got = [t for s in speculative_decode(target, proposer, FixedK(4), prompt, GREEDY, 20,
                                              (), make_generator(0)) for t in s.tokens]
         assert got == want
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_eagle_takes_in_a_window_of_the_prompt(static):
+    """With a prompt longer than its window, EAGLE takes in the last `prompt_window` prompt
+    features only (its cache starts there); greedy output still equals plain decoding."""
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+    target = tiny_runtime(0)
+    proposer = HeadProposer(random_heads("eagle", target), target.capacity, 5, 2,
+                            static=static, prompt_window=4)
+    steps = list(speculative_decode(target, proposer, FixedK(4), prompt, GREEDY, 24, (),
+                                    make_generator(0)))
+    assert proposer.first == len(prompt) - 4
+    assert [t for s in steps for t in s.tokens] == [
+        t for s in plain_decode(tiny_runtime(0), prompt, GREEDY, 24, (), make_generator(0))
+        for t in s.tokens]
