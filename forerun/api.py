@@ -90,6 +90,12 @@ class CappedK:
         self.policy.update(drafted, accepted)
 
 
+def heads_device(load: LoadConfig) -> str:
+    """Where heads draft: on a torch target's device (they read its tensors), else the CPU
+    (llama.cpp's features come back to the host)."""
+    return load.device if load.runtime == "torch" else "cpu"
+
+
 def head_precision(name: str, device: str = "cpu") -> str:
     """LoadConfig.head_precision resolved for heads drafting on `device` (a torch target's,
     else the CPU): auto = bfloat16 on a GPU; on the CPU int8 where it
@@ -141,9 +147,9 @@ class Engine:
         target_rt = target_src.load(**kwargs)
         heads = None
         if load.heads:
-            io = target_io(target_src, target_rt)  # on the target's device, or the CPU
-            heads = load_heads(load.heads, io, target_src.name, load.context,
-                               head_precision(load.head_precision, io.embed.device.type))
+            heads = load_heads(load.heads, target_io(target_src, target_rt), target_src.name,
+                               load.context, head_precision(load.head_precision,
+                                                            heads_device(load)))
             if load.runtime != "torch" and set(heads.cfg.layers) - {-1}:
                 raise ModelError(f"{heads.cfg.kind} heads read target layers "
                                  f"{list(heads.cfg.layers)}; the {load.runtime} runtime exposes "

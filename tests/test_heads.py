@@ -596,7 +596,7 @@ def test_eagle_static_steps_draft_as_the_eager_ones(kind, tree):
         steps = speculative_decode(target, proposer, FixedK(5), prompt, GREEDY, 30, (),
                                    make_generator(0))
         runs[static] = ([t for s in steps for t in s.tokens], drafts)
-        assert bool(proposer.static and proposer.static._steps) == static  # the path was taken
+        assert bool(proposer.static and proposer.static._sized) == static  # the path was taken
     assert runs[True] == runs[False]
     assert runs[True][0] == [t for s in plain_decode(tiny_runtime(0), prompt, GREEDY, 30, (),
                                                       make_generator(0)) for t in s.tokens]

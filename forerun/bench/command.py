@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 from tqdm import tqdm
 
-from forerun.api import Engine, LoadConfig, head_precision
+from forerun.api import Engine, LoadConfig, head_precision, heads_device
 from forerun.bench import report
 from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
 from forerun.bench.runner import BenchConfig, run_bench, runs_per_prompt
@@ -213,7 +213,7 @@ def _meta(args, load: LoadConfig) -> dict:
             "dtype": resolve_dtype(load.dtype, load.device) if runtime == "torch" else "gguf",
             "draft_dtype": resolve_dtype(load.draft_dtype, load.device),
             "draft_vocab": load.draft_vocab or "full", "device": load.device,
-            "heads": load.heads, "head_precision": head_precision(
-                load.head_precision, load.device if runtime == "torch" else "cpu"),
+            "heads": load.heads,
+            "head_precision": head_precision(load.head_precision, heads_device(load)),
             "cpus": len(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -60,7 +60,8 @@ MIN_IDLE, MAX_IDLE = 4, 64
 # the head was trained on shorter windows). Zen 3, llama.cpp, 28.5k head, 4 EditEval + 2 rag +
 # 2 mt_bench prompts: the same accepted lengths with windows of 32, 64, 256 and every row
 PROMPT_WINDOW = 64
-# target runtime -> (key, EAGLE k/v cache, static steps) of its last EAGLE proposer
+# target runtime -> (heads, (capacity, static?), (k cache, v cache, static steps)) of its last
+# EAGLE proposer
 _EAGLE_CACHES: WeakKeyDictionary = WeakKeyDictionary()
 
 
@@ -100,19 +101,19 @@ class HeadProposer:
             self.name = f"{self.name}+lookup"
         if self.eagle:
             use_static = self.device.type == "cuda" if static is None else static
-            key = (heads, capacity, use_static)  # holds the heads: no id is reused
             last = _EAGLE_CACHES.get(sequence) if sequence is not None else None
-            if last is not None and last[0][0] is heads and last[0][1:] == key[1:]:
+            if last is not None and last[0] is heads and last[1] == (capacity, use_static):
                 # the sequence's last proposer's cache (and its recorded graphs): one
                 # sequence decodes one request at a time, and prefill resets what is valid
-                _, self.k_cache, self.v_cache, self.static = _EAGLE_CACHES[sequence]
+                self.k_cache, self.v_cache, self.static = last[2]
             else:
                 self.k_cache, self.v_cache = heads.new_cache(capacity + TREE_SLACK)
                 if use_static:
                     self.static = StaticHeadSteps(heads, self.k_cache, self.v_cache,
                                                   graphs=self.device.type == "cuda")
-                if sequence is not None:
-                    _EAGLE_CACHES[sequence] = (key, self.k_cache, self.v_cache, self.static)
+                if sequence is not None:  # holding the heads: no id is ever reused
+                    _EAGLE_CACHES[sequence] = (heads, (capacity, use_static),
+                                               (self.k_cache, self.v_cache, self.static))
         self.prefill([])
 
     def prefill(self, prompt: list[int]) -> None:
@@ -174,13 +175,12 @@ class HeadProposer:
             self.skip -= 1
             return self._lookup_only(chain, chain_scores)
         started = perf_counter()
-        pending = torch.tensor(tokens[-1:], device=self.device)  # [1]
         if self.eagle:
             root, expand = self._eagle(tokens)
         elif self.cfg.kind == "medusa":
             root, expand = self._medusa()
         else:
-            root, expand = self._hydra(pending)
+            root, expand = self._hydra(torch.tensor(tokens[-1:], device=self.device))  # [1]
         k = min(k, self.cfg.num_heads) if not self.eagle else k
         if self.lookup is not None:
             k = min(k, LOOKUP_HEAD_DEPTH)

@@ -32,21 +32,52 @@ import torch.nn.functional as F
 STATIC_SIZES = (1, 2, 4, 8, 16, 32, 64)  # padded pass sizes, each captured at its first use
 
 
-class StaticPasses:
-    """The static passes of one runtime (its KV cache): buffers and graphs per padded size."""
+class _Recorded:
+    """Padded sizes of one static pass over one cache of `capacity` slots, each size's buffers
+    (and graph) made at its first use by `_make(B)`; a pass of T rows at start runs at the
+    smallest size B >= T, where slots start..start+B-1 exist."""
 
-    def __init__(self, runtime, graphs: bool):
-        self.rt, self.graphs = runtime, graphs
-        self.sizes = tuple(b for b in STATIC_SIZES if b <= runtime.capacity)
-        self._passes: dict[int, _Pass] = {}
+    def __init__(self, sizes: tuple[int, ...], capacity: int, graphs: bool):
+        self.capacity, self.graphs = capacity, graphs
+        self.sizes = tuple(b for b in sizes if b <= capacity)
+        self._sized: dict = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
 
-    def fits(self, start: int, T: int, hidden_layers) -> bool:
-        return (0 < T <= self.sizes[-1] and set(hidden_layers) <= {-1}
-                and start + self.bucket(T) <= self.rt.capacity)
+    def fits(self, start: int, T: int) -> bool:
+        return 0 < T <= self.sizes[-1] and start + self.bucket(T) <= self.capacity
 
     def bucket(self, T: int) -> int:
         return next(b for b in self.sizes if b >= T)
+
+    def _play(self, T: int, *inputs):
+        """Load `inputs` into size bucket(T)'s buffers and run it: eagerly (CPU), else its
+        graph, recorded at first use. -> that size's buffers."""
+        B = self.bucket(T)
+        p = self._sized.get(B)
+        if p is None:
+            p = self._sized[B] = self._make(B)
+        p.load(*inputs)
+        if not self.graphs:
+            p.run()
+        elif p.graph is None:
+            _capture(p, self._pool)
+        else:
+            p.graph.replay()
+        return p
+
+
+class StaticPasses(_Recorded):
+    """The static passes of one runtime (its KV cache): buffers and graphs per padded size."""
+
+    def __init__(self, runtime, graphs: bool):
+        super().__init__(STATIC_SIZES, runtime.capacity, graphs)
+        self.rt = runtime
+
+    def fits(self, start: int, T: int, hidden_layers=()) -> bool:
+        return set(hidden_layers) <= {-1} and super().fits(start, T)
+
+    def _make(self, B: int) -> _Pass:
+        return _Pass(self.rt, B)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None,
                 tree_mask: torch.Tensor | None, start: int
@@ -54,12 +85,7 @@ class StaticPasses:
         """-> (logits [T, V] float32, final normed hidden [T, D]) on the device; the hidden
         rows are a copy (the static buffer is overwritten by the next pass)."""
         T = tokens.shape[0]
-        B = self.bucket(T)
-        p = self._passes.get(B)
-        if p is None:
-            p = self._passes[B] = _Pass(self.rt, B)
-        p.load(tokens, positions, tree_mask, start)
-        _play(p, self.graphs, self._pool)
+        p = self._play(T, tokens, positions, tree_mask, start)
         return p.logits[:T], p.hidden[:T].clone()
 
 
@@ -78,8 +104,7 @@ class _Pass:
                                                                                2 * B + 1 + B * B]
         self.offsets = torch.arange(B, device=dev)  # [B]
         self.columns = torch.arange(C, device=dev)  # [C]
-        out = torch.float64 if rt.dtype == torch.float64 else torch.float32
-        self.logits = torch.zeros(B, rt.config.vocab_size, dtype=out, device=dev)  # [B, V]
+        self.logits = torch.zeros(B, rt.config.vocab_size, dtype=rt.out_dtype, device=dev)
         self.hidden = torch.zeros(B, rt.config.dim, dtype=rt.dtype, device=dev)  # [B, D]
 
     def load(self, tokens, positions, tree_mask, start: int) -> None:
@@ -128,7 +153,7 @@ def static_block(layer, x, cos, sin, k_cache, v_cache, slots, mask):
 HEAD_SIZES = (1, 2, 4, 8, 16, 32)  # padded rows of an EAGLE head step
 
 
-class StaticHeadSteps:
+class StaticHeadSteps(_Recorded):
     """An EAGLE head's step (fc, its decoder layer, logits, log-softmax) in static shapes over
     one proposer's head cache, replayed as CUDA graphs on a GPU (eagerly on the CPU, in tests).
     A step of T rows runs at the smallest size B >= T: rows past T are padding that sees only
@@ -136,17 +161,11 @@ class StaticHeadSteps:
     draft node attends to its ancestors' slots, not to a causal block."""
 
     def __init__(self, heads, k_cache: torch.Tensor, v_cache: torch.Tensor, graphs: bool):
-        self.heads, self.k_cache, self.v_cache, self.graphs = heads, k_cache, v_cache, graphs
-        self.capacity = k_cache.shape[1]
-        self.sizes = tuple(b for b in HEAD_SIZES if b <= self.capacity)
-        self._steps: dict[int, _HeadStep] = {}
-        self._pool = torch.cuda.graph_pool_handle() if graphs else None
+        super().__init__(HEAD_SIZES, k_cache.shape[1], graphs)
+        self.heads, self.k_cache, self.v_cache = heads, k_cache, v_cache
 
-    def fits(self, slot: int, T: int) -> bool:
-        return 0 < T <= self.sizes[-1] and slot + self.bucket(T) <= self.capacity
-
-    def bucket(self, T: int) -> int:
-        return next(b for b in self.sizes if b >= T)
+    def _make(self, B: int) -> _HeadStep:
+        return _HeadStep(self, B)
 
     def step(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              slot: int, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,12 +173,7 @@ class StaticHeadSteps:
         slot.., mask [T, slot+T] bool (None: every earlier slot and its own) -> (o [T, D],
         log-probabilities [T, N]), copies of the static outputs."""
         T = features.shape[0]
-        B = self.bucket(T)
-        s = self._steps.get(B)
-        if s is None:
-            s = self._steps[B] = _HeadStep(self, B)
-        s.load(features, tokens, positions, slot, mask)
-        _play(s, self.graphs, self._pool)
+        s = self._play(T, features, tokens, positions, slot, mask)
         return s.o[:T].clone(), s.logprobs[:T].clone()
 
 
@@ -208,16 +222,6 @@ class _HeadStep:
                            self.slot + self.offsets, self.mask)
         self.o.copy_(out)
         self.logprobs.copy_(heads.logits(out).log_softmax(-1))
-
-
-def _play(p, graphs: bool, pool) -> None:
-    """Run a loaded pass or step `p`: eagerly (CPU), else its graph, recorded at first use."""
-    if not graphs:
-        p.run()
-    elif p.graph is None:
-        _capture(p, pool)
-    else:
-        p.graph.replay()
 
 
 def _capture(p, pool) -> None:

@@ -204,6 +204,7 @@ class TorchRuntime:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cos, self.sin = rope_tables(cfg, self._capacity, self.dtype, self.device)
         self._length = 0
+        self.out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32  # logits
         self._static_on = self.device.type == "cuda" if static is None else static
         self._static = self._new_static()
 
@@ -265,13 +266,11 @@ class TorchRuntime:
         start, T = self._length, tokens.shape[0]
         if start + T > self._capacity:
             raise ValueError(f"context full: {start} + {T} tokens > capacity {self._capacity}")
-        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         if self._static is not None and self._static.fits(start, T, hidden_layers):
             logits, h = self._static.forward(tokens, positions, tree_mask, start)
             self._length = start + T
             hidden = {-1: h} if -1 in hidden_layers else {}  # every row, as below
-            return ForwardOutput((logits[-1:] if last_only else logits).to("cpu", out_dtype),
-                                 hidden)
+            return ForwardOutput((logits[-1:] if last_only else logits).cpu(), hidden)
         tokens = tokens.to(self.device)
         if positions is None:
             positions = torch.arange(start, start + T, device=self.device)
@@ -290,7 +289,7 @@ class TorchRuntime:
             _, logits = self.head(x[-1:] if last_only else x)
         self._length = start + T
         # Sampling and verification run on the CPU with a CPU generator: [T, V] is a small copy.
-        return ForwardOutput(logits.to("cpu", out_dtype), hidden)
+        return ForwardOutput(logits.cpu(), hidden)
 
     def head(self, x: torch.Tensor, last_only: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,7 +304,7 @@ class TorchRuntime:
         if self._vocab_ids is not None:  # back to [T, V], -inf outside the kept tokens
             logits = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf")
                                      ).index_copy_(1, self._vocab_ids, logits)
-        return h, logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)
+        return h, logits.to(self.out_dtype)
 
     def _mask(self, start: int, T: int, tree_mask) -> torch.Tensor | None:
         """[T, start+T] bool: every cached slot, then causal (or the tree) among the new tokens."""
