@@ -257,7 +257,8 @@ def propose_ms(proposer, target: TorchRuntime, prompt: list[int], k: int, reps: 
     proposer.propose(prompt, k, greedy, gen)  # takes the prompt's features in
     times = []
     for _ in range(reps):
-        proposer.committed = len(prompt) - 2  # as if the last token had just been accepted
+        # as if the last token had just been accepted (the cache starts at `first`)
+        proposer.committed = len(prompt) - 2 - proposer.first
         proposer.feed({i: h[-1:] for i, h in hidden.items()})
         start = time.perf_counter()
         proposer.propose(prompt, k, greedy, gen)

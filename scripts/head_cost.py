@@ -72,7 +72,7 @@ def main() -> None:
 
         def draft(proposer=proposer, tokens=tokens, base_hidden=base_hidden):
             # a decode step's work: one new feature to take in, then the draft
-            proposer.committed = len(tokens) - 2
+            proposer.committed = len(tokens) - 2 - proposer.first  # the cache starts there
             proposer.feed({i: h[-1:] for i, h in base_hidden.items()})
             proposer.propose(tokens, args.k, greedy, make_generator(0))
 
