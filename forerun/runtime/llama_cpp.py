@@ -39,16 +39,15 @@ Differences from TorchRuntime, all explicit errors rather than silent fallbacks:
 - a tree pass puts each row at start + its depth (positions are checked, not free); it keeps
   one branch at a time (`keep` of a root-to-node path; `truncate` into a tree pass only where its
   first rows form one); and has at most MAX_TREE_LEAVES leaves (ValueError above);
-- numerics: on the tiny float32 test model a tree row equals the chain forward of its path to
-  the bit. On quantized weights llama.cpp's logits depend on the shape of the pass that
-  computed the cached keys and values (activations are quantized per batch and batches of
-  different sizes take different kernels), for chains as much as for trees. Measured on the
-  default target (Q4_K_M), the next token's logits after a 5-token path differ by up to ~0.5
-  between: tree pass + keep vs a 5-token chain pass (0.57), a 9-token vs a 5-token chain pass
-  (0.59), and five 1-token passes vs one 5-token pass (0.48). Greedy speculative output on this
-  runtime therefore equals plain greedy decoding except at near-ties of that size, whatever the
-  drafter. The torch runtime is exact in float32/float64 (the tests); bfloat16 matmuls, too,
-  round differently by batch shape.
+- numerics: llama.cpp as released computes a pass of several tokens with other kernels than a
+  one-token pass (activations are quantized per batch), so on quantized weights the cached keys
+  and values, and every later logit, depend on the shapes of the passes that filled the cache
+  (up to ~0.5 logit on the default target, Q4_K_M). forerun's `-avx2` patch (and on AMX CPUs
+  the `-amx` patch's rows kernels) give passes of up to 48 tokens the one-token kernels'
+  results to the bit, and `keep` rewrites the cache in position order after a tree step
+  (`_compact`), so there greedy speculation equals plain greedy decoding exactly, trees
+  included; elsewhere it equals it except at near-ties of that size. The torch runtime is
+  exact in float32/float64 (the tests); bfloat16 matmuls round differently by batch shape.
 """
 
 from __future__ import annotations
@@ -241,6 +240,7 @@ class LlamaCppRuntime:
         weakref.finalize(self, C.llama_free, self._ctx)
         self._memory = C.llama_get_memory(self._ctx)
         self._length = 0
+        self._state = np.empty(0, dtype=np.uint8)  # keep()'s compaction buffer, grown as needed
         self._alloc_batch(self.batch_size)
 
     def fork(self) -> LlamaCppRuntime:
@@ -324,6 +324,30 @@ class LlamaCppRuntime:
         self._drop_tree()
         C.llama_memory_seq_rm(self._memory, SEQ, end, -1)
         self._length = end
+        if rows != list(range(len(rows))):  # freed branch cells lie between the path's
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rewrite sequence SEQ into contiguous cells in position order, as plain decoding
+        leaves it. After keep() of a path that skipped rows, the dropped branches' cells are
+        holes between the path's, and llama.cpp puts the next tokens into them, before cells of
+        earlier positions. Its CPU flash attention sums values in cell order at half precision,
+        so every later logit would move (up to ~0.6 on the default target, measured): not plain
+        greedy's to the bit. The sequence's cells are copied out (K/V bytes and positions, in
+        cell order, which is still position order here) and back into one free run: ~28 KB a
+        cached token for the default target, 1.4 ms median over 85 tree steps and 6.5 ms at
+        819 cached tokens on a 2-core Zen 3."""
+        size = C.llama_state_seq_get_size(self._ctx, SEQ)
+        if self._state.size < size:
+            self._state = np.empty(size, dtype=np.uint8)
+        buf = self._state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        written = C.llama_state_seq_get_data(self._ctx, buf, size, SEQ)
+        C.llama_memory_seq_rm(self._memory, SEQ, -1, -1)
+        if not written or C.llama_state_seq_set_data(self._ctx, buf, written, SEQ) != written:
+            C.llama_memory_seq_rm(self._memory, SEQ, -1, -1)
+            self._length = 0
+            raise RuntimeError(f"llama.cpp could not rewrite the KV cache after a tree step "
+                               f"(cache emptied: prefill again){_llama_errors()}")
 
     def _drop_tree(self) -> None:
         """Forget the tree's other sequences; cells no sequence holds any more are freed."""
