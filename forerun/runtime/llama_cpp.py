@@ -240,7 +240,9 @@ class LlamaCppRuntime:
         weakref.finalize(self, C.llama_free, self._ctx)
         self._memory = C.llama_get_memory(self._ctx)
         self._length = 0
-        self._state = np.empty(0, dtype=np.uint8)  # keep()'s compaction buffer, grown as needed
+        # keep()'s compaction buffer: grown as needed, at most the KV cache's own size, and
+        # kept (allocating it per tree step would page-fault it in each time)
+        self._state = np.empty(0, dtype=np.uint8)
         self._alloc_batch(self.batch_size)
 
     def fork(self) -> LlamaCppRuntime:
