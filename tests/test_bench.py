@@ -174,6 +174,34 @@ def test_repeats_keep_each_cell_s_median_run(pair, workload, tmp_path, capsys):
     assert "calibrated_curve" not in results["meta"]  # a fixed k measures no curve
 
 
+
+def test_a_divergence_in_any_repeat_is_reported(pair, workload, tmp_path, capsys, monkeypatch):
+    """`identical` holds only if every repeat equals the baseline: one repeat of three (not the
+    median one) that parts from plain makes the prompt's cell not identical, with its
+    divergence."""
+    import forerun.bench.runner as runner
+
+    real, calls = runner.run_forerun, {"ngram": 0}
+
+    def one_repeat_parts(engine, ids, spec, sampling, max_tokens):
+        trace, stats = real(engine, ids, spec, sampling, max_tokens)
+        if spec.method == "ngram":
+            calls["ngram"] += 1
+            if calls["ngram"] == 2:  # the first prompt's second repeat
+                trace.token_ids[-1] = (trace.token_ids[-1] + 1) % 256
+                trace.start -= 60.0  # and the slowest: never the median run
+        return trace, stats
+
+    monkeypatch.setattr(runner, "run_forerun", one_repeat_parts)
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--target", str(pair[0]), "--workload", str(workload),
+                     "--methods", "ngram", "--repeats", "3", "--max-tokens", "8", "--dtype",
+                     "float64", "--out", str(out), "--json"]) == 0
+    runs = [r for r in json.loads((out / "results.json").read_text())["runs"]
+            if r["label"] != BASELINE]
+    assert [r["identical"] for r in runs] == [False, True]
+    assert runs[0]["divergence"] is not None and runs[1]["divergence"] is None
+
 def test_the_curve_a_cost_decision_used_is_recorded(pair, workload, tmp_path, capsys):
     out = tmp_path / "out"
     assert cli.main(["bench", "--target", str(pair[0]), "--workload", str(workload),

@@ -11,8 +11,9 @@ Owns: how runs become figures. For each (temperature, category, label):
 - acceptance rate = accepted / drafted draft tokens;
 - TTFT = median time to the first token; ITL p50 / p90 = quantiles over decode steps of
   (gap between steps / tokens in the step): what a streaming client sees per token;
-- identical = share of greedy runs whose token ids equal their baseline's; `divergences` lists
-  the others: where each parted from plain and plain's logit margin there.
+- identical = share of greedy runs whose token ids equal their baseline's, in every repeat
+  (a prompt counts as identical only if all its repeats were); `divergences` lists the others:
+  where each (its first differing repeat) parted from plain and plain's logit margin there.
 A category named "mean" is added: the unweighted mean of the per-category speedups (Spec-Bench's
 headline figure) and medians of the rest, over every category but EditEval's, which stands as
 its own figure (a mean over both workloads would be neither's).

@@ -139,10 +139,13 @@ def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig,
             done = {label: median_run(runs) for label, runs in tries.items()}
             for run in done.values():
                 if temperature == 0.0 and run.label != run.baseline:
-                    run.identical = run.token_ids == done[run.baseline].token_ids
-                    if not run.identical and run.baseline == BASELINE:
-                        run.divergence = divergence(engine.target, ids,
-                                                    done[BASELINE].token_ids, run.token_ids)
+                    # every repeat, not only the median one: a divergence that shows in one
+                    # repeat of three (a timing-driven draft shape) is still a divergence
+                    base = done[run.baseline].token_ids
+                    parted = next((r for r in tries[run.label] if r.token_ids != base), None)
+                    run.identical = parted is None
+                    if parted is not None and run.baseline == BASELINE:
+                        run.divergence = divergence(engine.target, ids, base, parted.token_ids)
                 runs.append(run)
                 if on_run is not None:
                     on_run(run)
