@@ -174,7 +174,6 @@ def test_repeats_keep_each_cell_s_median_run(pair, workload, tmp_path, capsys):
     assert "calibrated_curve" not in results["meta"]  # a fixed k measures no curve
 
 
-
 def test_a_divergence_in_any_repeat_is_reported(pair, workload, tmp_path, capsys, monkeypatch):
     """`identical` holds only if every repeat equals the baseline: one repeat of three (not the
     median one) that parts from plain makes the prompt's cell not identical, with its
@@ -201,6 +200,7 @@ def test_a_divergence_in_any_repeat_is_reported(pair, workload, tmp_path, capsys
             if r["label"] != BASELINE]
     assert [r["identical"] for r in runs] == [False, True]
     assert runs[0]["divergence"] is not None and runs[1]["divergence"] is None
+
 
 def test_the_curve_a_cost_decision_used_is_recorded(pair, workload, tmp_path, capsys):
     out = tmp_path / "out"

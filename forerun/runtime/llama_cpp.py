@@ -306,11 +306,13 @@ class LlamaCppRuntime:
     def keep(self, start: int, rows: list[int]) -> None:
         """Keep rows (a root-to-node path) of the tree pass at `start`: their cells join sequence
         SEQ at their positions start.., which are already contiguous; the rest of the tree is
-        freed. After a chain forward, rows 0..n-1 only: truncate(start + n)."""
+        freed, and a path that skipped rows is compacted (`_compact`). After a chain forward,
+        rows 0..n-1 only: truncate(start + n)."""
         rows, tree = [int(r) for r in rows], self._tree
+        leading = rows == list(range(len(rows)))  # the pass's first rows: no cells between
         if tree is None:
             end = start + len(rows)
-            if rows != list(range(len(rows))) or not 0 <= start <= end <= self._length:
+            if not leading or not 0 <= start <= end <= self._length:
                 raise ValueError(f"after a chain forward only rows 0..n-1 can be kept, within the "
                                  f"{self._length} cached tokens; got rows {rows} at {start}")
             self.truncate(end)
@@ -326,7 +328,7 @@ class LlamaCppRuntime:
         self._drop_tree()
         C.llama_memory_seq_rm(self._memory, SEQ, end, -1)
         self._length = end
-        if rows != list(range(len(rows))):  # freed branch cells lie between the path's
+        if not leading:  # freed branch cells lie between the path's
             self._compact()
 
     def _compact(self) -> None:
