@@ -9,6 +9,7 @@ target must lower the loss and raise agreement; heads survive a save/load round 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
@@ -541,6 +542,39 @@ def test_collection_for_other_layers_reuses_the_chat_replies(tmp_path):
         a, b = load_file(str(a)), load_file(str(b))
         assert torch.equal(a["tokens"], b["tokens"]) and set(b) >= {"h0", "h1", "h-1"}
         assert torch.allclose(a["h-1"].float(), b["h-1"].float())
+
+
+def test_text_windows_alternate_with_the_code_after_the_chat_replies(tmp_path):
+    """--text: the user's files (a folder's .txt/.md/.rst, sorted; a file as given), tokenized
+    back to back into windows that alternate with the standard library's after the chat
+    replies, code alone once the text runs out; a wrong path is a clear error."""
+    from forerun.api import Engine, LoadConfig
+    from forerun.train import chunked, code_corpus, text_files, windows
+
+    target = tmp_path / "target"
+    write_hf_dir(target, random_hf_weights(len(byte_tokens()), seed=0), byte_tokens())
+    engine = Engine(str(target), None, spec=SpecConfig("none"), load=LoadConfig(dtype="float32"))
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "b.md").write_text("b" * 70)
+    (docs / "sub" / "a.rst").write_text("a" * 50)
+    (docs / "skip.html").write_text("<p>not text</p>")
+    single = tmp_path / "notes.log"
+    single.write_text("z" * 40)
+    assert text_files((str(docs), str(single))) == [docs / "b.md", docs / "sub" / "a.rst",
+                                                    single]
+    cfg = TrainConfig("eagle", seq_len=32, chat=1, chat_tokens=4,
+                      text=(str(docs), str(single)))
+    got = list(itertools.islice(windows(engine, cfg), 12))
+    text = engine.tokenizer.encode("b" * 70 + "a" * 50 + "z" * 40, add_special=False)
+    assert len(text) == 160  # byte tokens: 5 windows of 32
+    code = list(itertools.islice(chunked(engine.tokenizer, code_corpus(), 32), 6))
+    assert got[1:] == [w for pair in zip([text[i:i + 32] for i in range(0, 160, 32)],
+                                         code[:5], strict=True) for w in pair] + code[5:6]
+    with pytest.raises(ValueError, match="no such file or folder"):
+        text_files((str(tmp_path / "missing"),))
+    with pytest.raises(ValueError, match=r"no \.txt/\.md/\.rst files"):
+        text_files((str(target),))
 
 
 def test_train_command_then_generate_with_the_heads(tmp_path):
