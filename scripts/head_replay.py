@@ -1,0 +1,212 @@
+"""A head's drafts replayed over recorded greedy outputs: what its trees would accept, and how
+the automatic budget compares with fixed chains and an oracle, under the target's verify curve.
+
+Records, for each prompt, plain greedy decoding with the head drafting at every step anyway:
+its full tree (depth 5, 2 children a node, the 18 nodes EAGLE-2's growth keeps with those
+settings: tokens, parents, path log-probabilities) and the head's seconds, then replays each
+output without the model. A step at output position i drafts the tree recorded there, cut by
+a policy, accepts the longest path that matches the recorded output (greedy verification) plus
+one token, and costs verify(nodes + 1) plus the head's time (`--level-ms` per tree level it
+ran). Policies: `auto`, the automatic budget as `HeadProposer` runs it (the likeliest nodes,
+`best_budget`, its calibration scale and its rests after empty drafts); `auto-norest`, without
+the rests; `chainK`, the head's top-1 chain of K; `oracle`, the cut of the recorded tree with
+the most tokens per second for the acceptance it will see. Speedups are decode time only
+(plain: one pass a token). The head's features are those of plain decoding, which keep() makes
+equal to a speculative run's (the llama.cpp runtime compacts its cache after a tree).
+
+    python scripts/head_replay.py --heads DIR --runtime llama.cpp \\
+        --workload spec_bench:3 --workload editeval:4 --record /tmp/heads.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import forerun.propose.heads as head_module
+from forerun.api import Engine, LoadConfig
+from forerun.bench.workloads import sample_workloads
+from forerun.profile import calibrated_curve
+from forerun.propose import SpecConfig
+from forerun.propose.base import Draft
+from forerun.propose.heads import (
+    CALIBRATION_MEMORY,
+    CALIBRATION_PRIOR,
+    MAX_IDLE,
+    MIN_IDLE,
+    HeadProposer,
+)
+from forerun.sampling import SamplingConfig
+from forerun.tree import best_budget, match_depth
+
+DEPTH, TOPK = 5, 2
+NODES = TOPK + (DEPTH - 1) * TOPK * TOPK  # everything grow_tree grows at beam = topk
+
+
+def record(engine: Engine, prompts, max_tokens: int, path: Path) -> None:
+    """Plain greedy decoding, the head's full tree recorded at every step (then discarded)."""
+    grown: dict = {}
+    grow_tree, propose = head_module.grow_tree, HeadProposer.propose
+
+    def recording_grow(root, expand, **kw):
+        def seen(frontier, found):
+            grown["found"] = found
+            return expand(frontier, found)
+        return grow_tree(root, seen, **kw)
+
+    def recording_propose(self, tokens, k, sampling, generator):
+        started = time.perf_counter()
+        grown.clear()
+        draft = propose(self, tokens, DEPTH, sampling, generator)
+        if "found" in grown:  # the head ran (not the first step after a featureless prefill)
+            steps.append({"n": len(tokens), "tokens": draft.tokens.tolist(),
+                          "parents": draft.parents.tolist(),
+                          "scores": [c.score for c in grown["found"]],  # all kept: same order
+                          "seconds": time.perf_counter() - started})
+        return Draft(torch.zeros(0, dtype=torch.long))  # plain decoding goes on
+
+    head_module.grow_tree, HeadProposer.propose = recording_grow, recording_propose
+    try:
+        with path.open("w") as f:
+            for n, p in enumerate(prompts, 1):
+                ids, steps = engine.encode(p.text), []
+                out = engine.generate(ids, max_tokens=max_tokens,
+                                      sampling=SamplingConfig(temperature=0)).token_ids
+                f.write(json.dumps({"id": p.id, "category": p.category, "prompt": ids,
+                                    "out": out, "steps": steps}) + "\n")
+                f.flush()
+                ms = statistics.median(s["seconds"] for s in steps) * 1000 if steps else 0
+                print(f"[{n}/{len(prompts)}] {p.category} {p.id}: {len(ids)} + {len(out)} "
+                      f"tokens, full tree {ms:.1f} ms", flush=True)
+    finally:
+        head_module.grow_tree, HeadProposer.propose = grow_tree, propose
+
+
+def cut(step: dict, n: int) -> tuple[list[int], list[int], int]:
+    """The n likeliest nodes of a recorded tree (with their ancestors): tokens, parents, and
+    the levels the head ran to grow them."""
+    scores, parents = step["scores"], step["parents"]
+    keep = set(sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:n])
+    for i in list(keep):
+        while parents[i] >= 0:
+            i = parents[i]
+            keep.add(i)
+    order = sorted(keep)
+    index = {old: new for new, old in enumerate(order)}
+    depth = {}
+    for i in order:  # topological: a parent's depth is known first
+        depth[i] = 1 + (depth[parents[i]] if parents[i] >= 0 else 0)
+    return ([step["tokens"][i] for i in order],
+            [index[parents[i]] if parents[i] >= 0 else -1 for i in order],
+            max(depth.values(), default=1))
+
+
+def top_chain(step: dict, k: int) -> list[int]:
+    """The head's top-1 chain, k deep: the likeliest child at each level."""
+    node, chain = -1, []
+    for _ in range(k):
+        kids = [i for i, p in enumerate(step["parents"]) if p == node]
+        if not kids:
+            break
+        node = max(kids, key=lambda i: step["scores"][i])
+        chain.append(step["tokens"][node])
+    return chain
+
+
+def replay(rec: dict, policy: str, verify, level: float) -> tuple[float, int, int]:
+    """Seconds for out[1:] after prefill, target passes, drafted nodes."""
+    prompt, out = rec["prompt"], rec["out"]
+    at = {s["n"] - len(prompt): s for s in rec["steps"]}  # output position -> recorded tree
+    i, seconds, passes, drafted = 1, 0.0, 0, 0
+    skip, idle, observed, predicted = 0, MIN_IDLE, 0.0, 0.0
+    while i < len(out):
+        step, truth, n, accepted, cost = at.get(i), out[i:], 0, 0, 0.0
+        if step is not None and policy == "oracle":
+            best = 1.0 / verify(1)
+            for m in range(1, len(step["scores"]) + 1):
+                tokens, parents, depth = cut(step, m)
+                got = match_depth(tokens, parents, truth)
+                rate = (got + 1) / (verify(len(tokens) + 1) + level * depth)
+                if rate > best:
+                    best, n, accepted, cost = rate, len(tokens), got, level * depth
+        elif step is not None and policy.startswith("chain"):
+            chain = top_chain(step, int(policy[5:]))
+            n, cost = len(chain), level * len(chain)
+            accepted = match_depth(chain, list(range(-1, len(chain) - 1)), truth)
+        elif step is not None and skip > 0:  # resting
+            skip -= 1
+        elif step is not None:  # auto, auto-norest
+            scale = (observed + CALIBRATION_PRIOR) / (predicted + CALIBRATION_PRIOR)
+            ranked = sorted(step["scores"], reverse=True)
+            m, cost = best_budget(ranked, verify, scale, overhead=level), level
+            if m:
+                tokens, parents, depth = cut(step, m)
+                n, accepted, cost = len(tokens), match_depth(tokens, parents, truth), level * depth
+                expected = sum(math.exp(s) for s in ranked[:m])
+                memory = math.exp(-expected / CALIBRATION_MEMORY)
+                observed, predicted = memory * observed + accepted, memory * predicted + expected
+                idle = MIN_IDLE
+            elif policy == "auto":
+                skip, idle = idle, min(2 * idle, MAX_IDLE)
+        i += min(accepted + 1, len(out) - i)
+        seconds += verify(n + 1) + cost
+        passes, drafted = passes + 1, drafted + n
+    return seconds, passes, drafted
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--heads", required=True, help="an EAGLE head folder (forerun train)")
+    ap.add_argument("--runtime", default="llama.cpp")
+    ap.add_argument("--workload", action="append", default=None,
+                    help="NAME[:N] as in forerun bench (default: spec_bench:3, editeval:4)")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--level-ms", type=float, default=3.0,
+                    help="the head's milliseconds a tree level (w8a8 on this Zen 3: ~3)")
+    ap.add_argument("--record", type=Path, default=Path("head_replay.jsonl"),
+                    help="recorded trees: read if it exists, else generated and written here")
+    args = ap.parse_args()
+    engine = Engine(args.target, None, spec=SpecConfig("eagle", DEPTH, tree=NODES, tree_topk=TOPK),
+                    load=LoadConfig(runtime=args.runtime, heads=args.heads))
+    if not args.record.exists():
+        prompts = sample_workloads(args.workload or ["spec_bench:3", "editeval:4"], None,
+                                   args.seed)
+        record(engine, prompts, args.max_tokens, args.record)
+    records = [json.loads(line) for line in args.record.read_text().splitlines()]
+    verify = calibrated_curve(engine.target, NODES + 1)
+    print("verify ms, 1/2/4/8/16 tokens:",
+          " / ".join(f"{verify(n) * 1000:.1f}" for n in (1, 2, 4, 8, 16)))
+    policies = ("auto", "auto-norest", "chain1", "chain2", "chain3", "oracle")
+    print("decode speedup / tokens a pass")
+    print(f"{'category':15s} " + " ".join(f"{p:>12s}" for p in policies))
+    by_cat: dict[str, list[dict]] = {}
+    for r in records:
+        by_cat.setdefault(r["category"], []).append(r)
+    spec_bench: dict[str, list[float]] = {p: [] for p in policies}
+    for category, rs in by_cat.items():
+        cells = []
+        for p in policies:
+            speedups, lengths = [], []
+            for r in rs:
+                seconds, passes, _ = replay(r, p, verify, args.level_ms / 1000)
+                speedups.append((len(r["out"]) - 1) * verify(1) / seconds if seconds else 1.0)
+                lengths.append((len(r["out"]) - 1) / passes if passes else 1.0)
+            cells.append(f"{statistics.mean(speedups):5.2f}x/{statistics.mean(lengths):4.2f}")
+            if category != "editeval":
+                spec_bench[p].append(statistics.mean(speedups))
+        print(f"{category:15s} " + " ".join(f"{c:>12s}" for c in cells))
+    if any(spec_bench.values()):
+        print(f"{'Spec-Bench mean':15s} " + " ".join(
+            f"{statistics.mean(v):11.2f}x" for v in spec_bench.values()))
+
+
+if __name__ == "__main__":
+    main()
