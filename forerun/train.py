@@ -152,13 +152,18 @@ class TrainConfig:
 
 # --- data ---------------------------------------------------------------------------------
 
-def code_corpus() -> Iterator[str]:
-    """The standard library's top-level sources, in a fixed order."""
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+def read_texts(paths: list[Path]) -> Iterator[str]:
+    """The files' UTF-8 texts, in order; unreadable or non-UTF-8 files are skipped."""
+    for path in paths:
         try:
             yield path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
+
+
+def code_corpus() -> Iterator[str]:
+    """The standard library's top-level sources, in a fixed order."""
+    return read_texts(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")))
 
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst")  # what a --text folder contributes (".rst.txt" too)
@@ -180,14 +185,6 @@ def text_files(paths: tuple[str, ...]) -> list[Path]:
         else:
             raise ValueError(f"--text {name}: no such file or folder")
     return files
-
-
-def text_corpus(paths: tuple[str, ...]) -> Iterator[str]:
-    for path in text_files(paths):
-        try:
-            yield path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
 
 
 def chunked(tok, texts: Iterator[str], n: int) -> Iterator[list[int]]:
@@ -217,7 +214,7 @@ def windows(engine, cfg: TrainConfig, skip=lambda i: False, replier=None,
             continue
         done = replier.generate(question, max_tokens=cfg.chat_tokens)
         yield (tok.encode_prompt(question) + done.token_ids)[-cfg.seq_len:]
-    streams = [chunked(tok, text_corpus(cfg.text), cfg.seq_len)] if cfg.text else []
+    streams = [chunked(tok, read_texts(text_files(cfg.text)), cfg.seq_len)] if cfg.text else []
     streams.append(chunked(tok, code_corpus(), cfg.seq_len))
     while streams:  # round robin: a text window, a code window, ...
         for stream in list(streams):
