@@ -22,6 +22,8 @@ import hashlib
 import importlib.util
 import json
 import math
+import re
+import shutil
 import sys
 import sysconfig
 import time
@@ -100,6 +102,88 @@ EDITS = ("add type hints and a docstring", "make it easier to read",
          "rename the variables to be more descriptive", "add input validation",
          "rewrite it without changing its behaviour, in modern Python")
 
+# the second set (after the first 138): writing, role play, reasoning, science and humanities,
+# factual questions, translation from German and French, word problems, summaries and questions
+# on a passage (the standard library's docstrings), more code; written for this file
+FORMS = ("a short blog post", "a professional email", "a product description",
+         "a persuasive paragraph", "the opening of a short story", "a two-minute speech",
+         "a limerick", "a short news report", "a motivational message", "a LinkedIn post")
+SUBJECTS = ("a weekend trip to Lisbon", "switching to a four-day work week",
+            "a new reusable water bottle", "learning to play the piano as an adult",
+            "a robot that wants to become a chef", "the opening of a community garden",
+            "why teams should write design documents", "a city banning cars from its centre",
+            "the first day at a new job", "a bakery that only opens at night",
+            "saving money on groceries", "a lost dog finding its way home",
+            "the benefits of regular code reviews", "a solar-powered bicycle")
+ROLES = ("a pirate captain", "a medieval knight", "a friendly librarian", "a sports coach",
+         "Sherlock Holmes", "a time traveller from the year 2300", "a grumpy chef",
+         "a tour guide in Rome", "a retired astronaut", "a kindergarten teacher")
+ROLE_QUESTIONS = ("What do you think of smartphones?", "How should I spend my weekend?",
+                  "What is the secret to a happy life?", "Why should I learn mathematics?",
+                  "What would you eat for breakfast?", "How do you deal with stress?")
+CONCEPTS = ("entropy", "natural selection", "the greenhouse effect", "plate tectonics",
+            "Newton's third law", "the Doppler effect", "quantum entanglement",
+            "supply and demand", "opportunity cost", "the Renaissance", "the Industrial "
+            "Revolution", "the Cold War", "the separation of powers", "utilitarianism",
+            "cognitive dissonance", "the placebo effect", "herd immunity", "DNA replication",
+            "the speed of light", "electric current", "monetary policy", "the Silk Road",
+            "the scientific method", "Impressionism in painting", "the printing press",
+            "climate versus weather", "antibiotic resistance", "the Pythagorean theorem",
+            "compound words in German", "the stock market")
+FACTS = ("Who painted the Mona Lisa?", "What is the capital of Australia?",
+         "When did the Berlin Wall fall?", "Who wrote Pride and Prejudice?",
+         "How many planets are in the solar system?", "What is the largest ocean on Earth?",
+         "Who discovered penicillin?", "What language is spoken in Brazil?",
+         "Which element has the chemical symbol Fe?", "Who was the first person on the Moon?",
+         "What is the tallest mountain in Africa?", "When was the first iPhone released?",
+         "Who composed the Four Seasons?", "What is the longest river in Europe?",
+         "Which country hosted the 2016 Summer Olympics?", "What is the boiling point of "
+         "water in Fahrenheit?", "Who invented the telephone?", "What is the currency of "
+         "Japan?", "How many bones does an adult human have?", "Who wrote the Odyssey?",
+         "What is the smallest prime number?", "Which planet is known as the Red Planet?",
+         "What year did the Titanic sink?", "Who developed the theory of general relativity?")
+GERMAN = ("Der Zug nach München hat heute zwanzig Minuten Verspätung .",
+          "Die Stadt plant , im nächsten Jahr drei neue Schulen zu bauen .",
+          "Viele Menschen arbeiten inzwischen mindestens einen Tag pro Woche von zu Hause .",
+          "Das Museum zeigt eine Ausstellung über die Geschichte der Fotografie .",
+          "Nach dem starken Regen waren mehrere Straßen in der Innenstadt gesperrt .",
+          "Die Firma hat im letzten Quartal mehr Gewinn gemacht als erwartet .",
+          "Wissenschaftler haben eine neue Art von Frosch im Regenwald entdeckt .",
+          "Der Bürgermeister versprach , die Preise für Busfahrkarten nicht zu erhöhen .",
+          "Im Sommer kommen jedes Jahr Tausende Touristen an den See .",
+          "Die Mannschaft gewann das Spiel in der letzten Minute mit zwei zu eins .",
+          "Der neue Flughafen soll im Herbst endlich eröffnet werden .",
+          "Eltern sollten mit ihren Kindern über die Gefahren im Internet sprechen .")
+FRENCH = ("Le marché ouvre tous les samedis matin sur la place du village.",
+          "Les chercheurs ont publié leurs résultats dans une revue scientifique.",
+          "Il faut réserver une table, car le restaurant est souvent complet.",
+          "La bibliothèque sera fermée pendant les vacances de Noël.")
+PROBLEMS = ("{a} friends share {b} pizzas equally, and each pizza has 8 slices. How many "
+            "slices does each friend get?",
+            "A car uses {a} litres of fuel per 100 km. How much fuel does it need for {b}0 km?",
+            "Tom is {a} years old. His sister is {b} years older. How old will she be in 5 years?",
+            "A garden is {a} metres long and {b} metres wide. What is its area and perimeter?",
+            "A book costs ${a} and is on sale for {b}0% off. What is the sale price?",
+            "A worker earns ${a}0 a day and works {b} days. After paying $25 for lunch each "
+            "week, how much is left if the work took one week?")
+PASSAGE_ASKS = ("What is the main purpose of what this passage describes?",
+                "List the key points of this passage as bullet points.",
+                "Based only on this passage, what would a beginner need to know first?")
+MORE_TASKS = (("Python", "removes duplicates from a list while keeping the order"),
+              ("Python", "finds the longest common prefix of a list of strings"),
+              ("Python", "checks whether two strings are anagrams"),
+              ("Python", "reads a JSON file and prints its keys"),
+              ("Python", "counts the vowels in a sentence"),
+              ("Python", "returns the Fibonacci numbers below n"),
+              ("Python", "sorts a list of dictionaries by a key"),
+              ("JavaScript", "fetches JSON from a URL and handles errors"),
+              ("JavaScript", "shuffles an array"), ("C++", "finds the maximum in a vector"),
+              ("Go", "starts an HTTP server that returns hello"),
+              ("Java", "reverses a linked list"), ("SQL", "returns monthly sales totals"),
+              ("Python", "implements binary search on a sorted list"),
+              ("Python", "converts a temperature from Celsius to Fahrenheit"),
+              ("Rust", "parses an integer from a string with error handling"))
+
 
 @functools.cache
 def chat_prompts() -> tuple[str, ...]:
@@ -130,6 +214,22 @@ def chat_prompts() -> tuple[str, ...]:
     out += [f"Summarize this documentation in two sentences:\n\n{d}" for d in docs[::3][:16]]
     out += [f"Please {EDITS[i % len(EDITS)]} for this function:\n\n```python\n{f}\n```"
             for i, f in enumerate(functions[::17][:32])]
+    # the second set: appended, so that the first prompts (and collected replies) keep their place
+    out += [f"Write {FORMS[i % len(FORMS)]} about {SUBJECTS[(i * 3) % len(SUBJECTS)]}."
+            for i in range(40)]
+    out += [f"Pretend to be {ROLES[i % len(ROLES)]} in this conversation and answer as they "
+            f"would: {ROLE_QUESTIONS[(i * 5) % len(ROLE_QUESTIONS)]}" for i in range(20)]
+    out += [f"In a few paragraphs, what is {c}, and why does it matter?" for c in CONCEPTS]
+    out += list(FACTS)
+    out += [f"Translate German to English: {g}" for g in GERMAN]
+    out += [f"Translate French to English: {f}" for f in FRENCH]
+    out += [PROBLEMS[i % len(PROBLEMS)].format(a=3 + (i * 7) % 11, b=2 + (i * 5) % 9)
+            for i in range(36)]
+    out += [f"Write a {lang} function that {task}." for lang, task in MORE_TASKS]
+    out += [f"Summarize: {d}" for d in docs[1::3][:40]]
+    out += [f"{d}\n\n{PASSAGE_ASKS[i % len(PASSAGE_ASKS)]}" for i, d in enumerate(docs[2::3][:40])]
+    out += [f"Please {EDITS[i % len(EDITS)]} for this function:\n\n```python\n{f}\n```"
+            for i, f in enumerate(functions[5::17][:40])]
     return tuple(out)
 
 
@@ -205,15 +305,22 @@ def windows(engine, cfg: TrainConfig, skip=lambda i: False, replier=None,
     collected (its reply is not generated again); `known(i)`, where not None, is window i's
     tokens from an earlier collection (the same reply, not generated again)."""
     tok, replier = engine.tokenizer, replier or engine
-    for i, question in enumerate(chat_prompts()[:cfg.chat]):
+    questions = chat_prompts()[:cfg.chat]
+    plan = [None if skip(i) else known(i) for i in range(len(questions))]
+    todo = [i for i, ids in enumerate(plan) if ids is None and not skip(i)]
+    replies = chat_replies(replier, [questions[i] for i in todo], cfg.chat_tokens)
+    done: dict[int, list[int]] = {}
+    for i, question in enumerate(questions):
         if skip(i):
             yield None
             continue
-        if (ids := known(i)) is not None:
-            yield ids
+        if plan[i] is not None:
+            yield plan[i]
             continue
-        done = replier.generate(question, max_tokens=cfg.chat_tokens)
-        yield (tok.encode_prompt(question) + done.token_ids)[-cfg.seq_len:]
+        while i not in done:  # a batched replier finishes them out of order
+            j, reply = next(replies)
+            done[todo[j]] = reply
+        yield (tok.encode_prompt(question) + done.pop(i))[-cfg.seq_len:]
     streams = [chunked(tok, read_texts(text_files(cfg.text)), cfg.seq_len)] if cfg.text else []
     streams.append(chunked(tok, code_corpus(), cfg.seq_len))
     while streams:  # round robin: a text window, a code window, ...
@@ -222,6 +329,19 @@ def windows(engine, cfg: TrainConfig, skip=lambda i: False, replier=None,
                 streams.remove(stream)
             else:
                 yield ids
+
+
+def chat_replies(replier, questions: list[str], max_tokens: int, rows: int = 16
+                 ) -> Iterator[tuple[int, list[int]]]:
+    """(index, greedy reply) for each question: batched, `rows` at a time, where the replier's
+    runtime can (llama.cpp: ~2.5x the tokens a second here), else one after another."""
+    tok = replier.tokenizer
+    if hasattr(replier.target, "greedy_many"):
+        yield from replier.target.greedy_many([tok.encode_prompt(q) for q in questions],
+                                              max_tokens, tok.stop_ids, rows)
+        return
+    for j, question in enumerate(questions):
+        yield j, replier.generate(question, max_tokens=max_tokens).token_ids
 
 
 def teacher(runtime: Runtime, ids: list[int], layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
@@ -238,20 +358,30 @@ def teacher(runtime: Runtime, ids: list[int], layers: tuple[int, ...]) -> dict[s
 
 
 def collect(engine, cfg: TrainConfig, layers: tuple[int, ...], data_dir: Path,
-            replier=None, siblings: tuple[Path, ...] = ()) -> list[Path]:
+            replier=None, siblings: tuple[tuple[Path, int, bool], ...] = ()) -> list[Path]:
     """Shards data_dir/window-NNNNN.safetensors, one per window, up to cfg.max_tokens tokens;
     windows already there are kept (resumable): the corpus order is fixed. `siblings`: data
-    directories of the same corpus for other layers, whose windows' tokens are reused (the
-    chat replies are the slow part of a collection)."""
+    folders of the same kind of corpus (`sibling_collections`), whose chat replies are reused
+    (the slow part of a collection), and whose windows, where their features are the same
+    (runtime and layers), are copied rather than teacher-forced again."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     def known(i: int) -> list[int] | None:
-        for sibling in siblings:
-            if (path := sibling / f"window-{i:05d}.safetensors").exists():
+        for sibling, chats, _ in siblings:  # its first `chats` windows are chat replies
+            if i < chats and (path := sibling / f"window-{i:05d}.safetensors").exists():
                 with safe_open(str(path), "pt") as f:
                     return f.get_tensor("tokens").tolist()
         return None
+
+    @functools.cache
+    def done_before() -> dict[bytes, Path]:  # tokens -> a shard with these features
+        found = {}
+        for sibling, _, same in siblings:
+            for path in sorted(sibling.glob("window-*.safetensors")) if same else ():
+                with safe_open(str(path), "pt") as f:
+                    found.setdefault(f.get_tensor("tokens").numpy().tobytes(), path)
+        return found
 
     data_dir.mkdir(parents=True, exist_ok=True)
     total = max(1, cfg.max_tokens // cfg.seq_len)
@@ -266,9 +396,27 @@ def collect(engine, cfg: TrainConfig, layers: tuple[int, ...], data_dir: Path,
             if i >= total:
                 break
             if ids is not None and not paths[i].exists():
-                save_file(teacher(engine.target, ids, layers), str(paths[i]))
+                key = torch.tensor(ids, dtype=torch.int32).numpy().tobytes()
+                if (twin := done_before().get(key)) is not None:
+                    shutil.copyfile(twin, paths[i])
+                else:
+                    save_file(teacher(engine.target, ids, layers), str(paths[i]))
                 bar.update()
     return [p for p in paths if p.exists()]
+
+
+def sibling_collections(data: Path, name: str, cfg: TrainConfig
+                        ) -> tuple[tuple[Path, int, bool], ...]:
+    """The folders beside `data` holding the same target's windows of the same length and reply
+    length, collected for other layers, by another runtime, with --text or with more or fewer
+    chat questions: (folder, its chat question count, whether its features are data's own,
+    the same runtime and layers). See `collect` for what is reused."""
+    pattern = re.compile(rf"({re.escape(name)}-.+-L[-_0-9]+)-T{cfg.seq_len}-C(\d+)"
+                         rf"x{cfg.chat_tokens}(-X[0-9a-f]+)?")
+    ours = pattern.fullmatch(data.name)
+    return tuple((d, int(m[2]), ours is not None and m[1] == ours[1])
+                 for d in sorted(data.parent.glob(f"{name}-*"))
+                 if d != data and (m := pattern.fullmatch(d.name)))
 
 
 def corpus_vocab(shards: list[dict], size: int, fallback: list[int], special: list[int],
@@ -459,7 +607,7 @@ def head_layers(kind: str, n_layers: int) -> tuple[int, ...]:
 
 
 def run(engine, target_name: str, cfg: TrainConfig, out: Path, data_dir: Path,
-        draft_vocab: int, replier=None, siblings: tuple[Path, ...] = (),
+        draft_vocab: int, replier=None, siblings: tuple[tuple[Path, int, bool], ...] = (),
         io: TargetIO | None = None, **head_overrides) -> dict:
     """Collect (or reuse) the data, train, save; returns the report. `io`: the target's
     embeddings and LM head (default: the torch runtime's own)."""
@@ -505,7 +653,7 @@ def add_train_parser(sub, add_model_args) -> None:
     t.add_argument("--chat", type=int, default=TrainConfig.chat,
                    help=f"chat questions the target answers first: {len(CHAT_PROMPTS)} "
                         "written, then ones generated from templates and the standard library "
-                        "(138 with Python 3.11's)")
+                        "(390 with Python 3.11's)")
     t.add_argument("--chat-tokens", type=int, default=TrainConfig.chat_tokens,
                    help="greedy reply length per chat question")
     t.add_argument("--replies", choices=["auto", "torch", "llama.cpp"], default="auto",
@@ -571,7 +719,6 @@ def cmd_train(args) -> int:
     name = Path(str(args.target)).name.removesuffix(".gguf")
     layers = head_layers(args.kind, engine.target.config.n_layers)
     corpus = f"-T{cfg.seq_len}-C{cfg.chat}x{cfg.chat_tokens}"
-    chat_corpus = corpus  # what a sibling collection must share for its chat replies to be reused
     if files:  # its own data folder: the windows after the chat replies differ
         digest = hashlib.sha1("\n".join(map(str, files)).encode()).hexdigest()[:8]
         corpus += f"-X{digest}"
@@ -580,11 +727,7 @@ def cmd_train(args) -> int:
     features = load.dtype if load.runtime == "torch" else load.runtime
     key = f"{name}-{features}-L{'_'.join(map(str, layers))}{corpus}"
     data = Path(args.data) if args.data else forerun_home() / "train-data" / key
-    # the same corpus collected for other layers or by another runtime: its token windows
-    # (the chat replies, the slow part) are reused
-    siblings = tuple(d for d in sorted({*data.parent.glob(f"{name}-*-L*{chat_corpus}"),
-                                        *data.parent.glob(f"{name}-*-L*{chat_corpus}-X*")})
-                     if d != data)
+    siblings = sibling_collections(data, name, cfg)
     # heads trained on another runtime's features land beside, not over, the torch ones
     suffix = "" if load.runtime == "torch" else "-" + load.runtime.replace(".", "")
     out = Path(args.out) if args.out else forerun_home() / "heads" / name / (args.kind + suffix)

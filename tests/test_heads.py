@@ -14,6 +14,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -517,31 +518,49 @@ def test_chat_prompts_are_not_benchmark_rows():
     assert not rows & set(prompts)
 
 
-def test_collection_for_other_layers_reuses_the_chat_replies(tmp_path):
+def test_collection_for_other_layers_reuses_the_chat_replies(tmp_path, monkeypatch):
     """EAGLE-3 reads other layers than EAGLE-1 on the same corpus: its collection takes the
-    token windows (the slow greedy chat replies) from the EAGLE-1 one, generating none."""
+    token windows (the slow greedy chat replies) from the EAGLE-1 one, and with one chat
+    question more generates only that reply; the sibling folders are found by name."""
     from safetensors.torch import load_file
 
+    import forerun.train as train_module
     from forerun.api import Engine, LoadConfig
-    from forerun.train import collect
+    from forerun.train import collect, sibling_collections
 
     target = tmp_path / "target"
     write_hf_dir(target, random_hf_weights(len(byte_tokens()), seed=0), byte_tokens())
     engine = Engine(str(target), None, spec=SpecConfig("none"), load=LoadConfig(dtype="float32"))
     cfg = TrainConfig("eagle3", max_tokens=96, seq_len=32, chat=2, chat_tokens=8)
-    first = collect(engine, cfg, (-1,), tmp_path / "L-1")
+    first = collect(engine, cfg, (-1,), tmp_path / "m-float32-L-1-T32-C2x8")
 
-    class NoReplies:
-        def generate(self, *args, **kwargs):
-            raise AssertionError("a reply was generated again")
+    class Replier:  # generates one at a time, and says which
+        tokenizer, target, asked = engine.tokenizer, engine.target, []
 
-    second = collect(engine, cfg, (0, 1, -1), tmp_path / "L0_1_-1", NoReplies(),
-                     siblings=(tmp_path / "L-1",))
-    assert len(first) == len(second) == 3
-    for a, b in zip(first, second, strict=True):
+        def generate(self, question, **kwargs):
+            self.asked.append(question)
+            return engine.generate(question, **kwargs)
+
+    more = replace(cfg, chat=3, max_tokens=128)
+    data = tmp_path / "m-float32-L0_1_-1-T32-C3x8"
+    (tmp_path / "m-float32-L-1-T32-C2x16").mkdir()  # other reply length: not a sibling
+    siblings = sibling_collections(data, "m", more)
+    assert siblings == ((tmp_path / "m-float32-L-1-T32-C2x8", 2, False),)
+    second = collect(engine, more, (0, 1, -1), data, Replier(), siblings)
+    assert len(first) == 3 and len(second) == 4 and Replier.asked == [chat_prompts()[2]]
+    for a, b in zip(first[:2], second[:2], strict=True):
         a, b = load_file(str(a)), load_file(str(b))
         assert torch.equal(a["tokens"], b["tokens"]) and set(b) >= {"h0", "h1", "h-1"}
         assert torch.allclose(a["h-1"].float(), b["h-1"].float())
+    # the same features (layers) with one chat question more: the first's windows are copied,
+    # the new reply's taken from the second, and only it is teacher-forced
+    forced = []
+    monkeypatch.setattr(train_module, "teacher", lambda *a: forced.append(a) or teacher(*a))
+    data = tmp_path / "m-float32-L-1-T32-C3x8"
+    third = collect(engine, more, (-1,), data, Replier(), sibling_collections(data, "m", more))
+    assert len(forced) == 1 and Replier.asked == [chat_prompts()[2]]
+    for a, b in zip([*first[:2], first[2]], [*third[:2], third[3]], strict=True):
+        assert a.read_bytes() == b.read_bytes()
 
 
 def test_text_windows_alternate_with_the_code_after_the_chat_replies(tmp_path):

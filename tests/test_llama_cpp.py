@@ -146,6 +146,32 @@ def test_forks_share_the_model_and_hold_sequences_of_their_own(tmp_path):
     assert torch.allclose(second_next, want, atol=1e-4) and second.length == 4
 
 
+def test_greedy_many_equals_one_prompt_at_a_time(tmp_path):
+    """Training data's batched replies: 5 prompts through 2 rows (a finished row takes the next
+    prompt) give each prompt's plain greedy reply, cut before a stop token."""
+    tokens = [*byte_tokens()[:-len(SPECIAL)], "ab", *SPECIAL]
+    write_gguf(tmp_path / "tiny.gguf", random_hf_weights(len(tokens)), tokens, merges=["a b"])
+    rt = open_model(str(tmp_path / "tiny.gguf")).load(runtime="llama.cpp", context=64)
+    prompts = [[1, 2, 3], [7], [4, 4, 4, 4, 9, 10], [30, 31], [5, 6, 7, 8]]
+
+    def plain(prompt: list[int], n: int) -> list[int]:
+        rt.truncate(0)
+        out = [int(rt.forward(torch.tensor(prompt), last_only=True).logits[-1].argmax())]
+        while len(out) < n:
+            out.append(int(rt.forward(torch.tensor(out[-1:])).logits[-1].argmax()))
+        return out
+
+    full = [plain(p, 6) for p in prompts]
+    stop = {full[0][2]}  # ends the first reply after two tokens, maybe others too
+    want = {i: r[:next((j for j, t in enumerate(r) if t in stop), len(r))]
+            for i, r in enumerate(full)}
+    got = list(rt.greedy_many(prompts, 6, stop, rows=2))
+    assert dict(got) == want and sorted(i for i, _ in got) == list(range(5))
+    assert len(want[0]) == 2 and rt.length == len(prompts[-1]) + 5  # its own context untouched
+    with pytest.raises(ValueError, match="fit"):
+        list(rt.greedy_many([[1, 2]], rt.config.context_length, stop))
+
+
 def test_unknown_runtime_and_missing_package_fail_clearly(tmp_path, monkeypatch):
     tokens = byte_tokens()
     write_gguf(tmp_path / "tiny.gguf", random_hf_weights(len(tokens)), tokens)
