@@ -5,8 +5,9 @@ distribution at every position, written as resumable shards) and the training lo
 features come from `--runtime`, the one the heads will draft on: torch, or llama.cpp (final
 layer only, so not for EAGLE-3), whose numerics differ from torch's by a few percent. Data:
 - code: the Python standard library's own sources on this machine, teacher-forced in windows;
-- chat: the target's own replies (greedy) to the questions in CHAT_PROMPTS, written for this
-  file (none is a benchmark row), then teacher-forced like the code;
+- chat: the target's own replies (greedy; on llama.cpp 16 decoding in one batch) to the
+  questions of `chat_prompts()`, written or generated for this file (none is a benchmark row),
+  then teacher-forced like the code;
 - text (`--text`, optional): the user's own plain-text files (prose, docs), teacher-forced,
   their windows alternating with the code's after the chat replies.
 Loss: cross-entropy against the target's distribution (its top-K, renormalised over the head's
