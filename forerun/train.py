@@ -307,12 +307,13 @@ def windows(engine, cfg: TrainConfig, skip=lambda i: False, replier=None,
     tokens from an earlier collection (the same reply, not generated again)."""
     tok, replier = engine.tokenizer, replier or engine
     questions = chat_prompts()[:cfg.chat]
-    plan = [None if skip(i) else known(i) for i in range(len(questions))]
-    todo = [i for i, ids in enumerate(plan) if ids is None and not skip(i)]
+    skipped = [skip(i) for i in range(len(questions))]
+    plan = [None if s else known(i) for i, s in enumerate(skipped)]
+    todo = [i for i, ids in enumerate(plan) if ids is None and not skipped[i]]
     replies = chat_replies(replier, [questions[i] for i in todo], cfg.chat_tokens)
     done: dict[int, list[int]] = {}
     for i, question in enumerate(questions):
-        if skip(i):
+        if skipped[i]:
             yield None
             continue
         if plan[i] is not None:

@@ -314,17 +314,10 @@ class LlamaCppRuntime:
         """One llama_decode of rows in independent sequences (`seqs`: one id for all, or one
         per row) with outputs for the last `outputs` rows (greedy_many's passes)."""
         n = ids.shape[0]
-        self._tokens[:n] = ids
         self._positions[:n] = positions
         self._tree_n_seq[:n] = 1
         self._tree_seqs[:n, 0] = seqs
-        self._outputs[:n - outputs] = 0
-        self._outputs[n - outputs:n] = 1
-        self._tree_batch.n_tokens = n
-        _errors.clear()
-        code = C.llama_decode(self._ctx, self._tree_batch)
-        if code != DECODE_OK:
-            raise RuntimeError(f"llama_decode failed with code {code}{_llama_errors()}")
+        self._submit(self._tree_batch, ids, outputs, int(positions[0]))
 
     def _alloc_batch(self, n: int) -> None:
         """A llama_batch whose arrays are numpy buffers we own: a forward copies token ids,
@@ -513,7 +506,6 @@ class LlamaCppRuntime:
         """One llama_decode over ids at slots start.., with outputs for the last `rows`: a chain
         in sequence SEQ, or those rows of a tree pass, at their depths, in their sequences."""
         n = ids.shape[0]
-        self._tokens[:n] = ids
         batch = self._batch
         if tree is None:
             self._positions[:n] = np.arange(start, start + n, dtype=np.int32)
@@ -522,6 +514,13 @@ class LlamaCppRuntime:
             self._positions[:n] = tree.start + tree.depth[first:first + n]
             self._tree_n_seq[:n] = tree.n_seq[first:first + n]
             self._tree_seqs[:n, :tree.leaves] = tree.seq_ids[first:first + n]
+        self._submit(batch, ids, rows, start)
+
+    def _submit(self, batch, ids: np.ndarray, rows: int, start: int) -> None:
+        """llama_decode of `batch` (positions and sequences filled in) over ids, with outputs
+        for the last `rows`."""
+        n = ids.shape[0]
+        self._tokens[:n] = ids
         self._outputs[:n - rows] = 0
         self._outputs[n - rows:n] = 1
         batch.n_tokens = n
