@@ -151,7 +151,16 @@ def grow_tree(
         first = len(found)
         add(logprobs, frontier, d)
         level = list(range(first, len(found)))
-    order = ranked()
+    return prune(found, budget)
+
+
+def prune(found: list[Candidate], budget: int | Callable[[list[float]], int]
+          ) -> tuple[list[int], list[int]]:
+    """EAGLE-2's rerank: of the grown candidates (topological order), keep the `budget` most
+    likely paths' nodes (ties: the earlier node), their ancestors with them. `budget` may be a
+    function of the path log-probabilities, best first. -> (tokens, parents) in topological
+    order."""
+    order = sorted(range(len(found)), key=lambda i: (-found[i].score, i))
     if callable(budget):
         budget = budget([found[i].score for i in order])
     keep = set(order[:budget])
@@ -163,6 +172,21 @@ def grow_tree(
     index = {old: new for new, old in enumerate(order)}
     return ([found[i].token for i in order],
             [index[found[i].parent] if found[i].parent >= 0 else -1 for i in order])
+
+
+def candidates(scores: list[float], tokens: list[int], parents: list[int]) -> list[Candidate]:
+    """A tree grown elsewhere (a GPU's, see forerun.runtime.static.StaticEagleTree), given as
+    flat arrays in topological order (parents: indices into them, -1 = the root) -> its
+    candidates, as grow_tree finds them: nodes of log-probability -inf (and so their
+    descendants) are left out."""
+    found: list[Candidate] = []
+    index: dict[int, int] = {}
+    for i, (score, token, parent) in enumerate(zip(scores, tokens, parents, strict=True)):
+        if score > float("-inf") and (parent < 0 or parent in index):
+            up = index[parent] if parent >= 0 else -1
+            index[i] = len(found)
+            found.append(Candidate(token, up, found[up].depth + 1 if up >= 0 else 1, score))
+    return found
 
 
 def best_budget(scores: list[float], verify: Callable[[float], float], scale: float = 1.0,

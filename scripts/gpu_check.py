@@ -13,9 +13,11 @@ What it does, on `--device` (default cuda):
 4. Heads on the GPU: random-initialised Medusa, Hydra, EAGLE and EAGLE-3 heads (the trained
    EAGLE head's shape) drafting chains and trees from the target's features on the device;
    greedy equality in float32 (in step 1, drafting in float32, bfloat16 and int8), and in
-   `--dtype` the median ms of one `propose` (a chain of k, trees of 8 and 32 nodes; Medusa and
-   Hydra stop at their 4 heads' depth) against a
-   one-token target pass: the head's drafting cost.
+   `--dtype` the median ms of one `propose` (a chain of k, trees of 8 and 32 nodes, EAGLE's
+   automatic budget 16 deep; Medusa and Hydra stop at their 4 heads' depth) against a
+   one-token target pass: the head's drafting cost, and EAGLE's per tree level. EAGLE three
+   ways: the tree grown on the device (the default), grown level by level through the host,
+   and every step eager.
 
     python scripts/gpu_check.py --json out.json
     python scripts/gpu_check.py --device cpu --small   # a smoke test of the script itself
@@ -102,14 +104,17 @@ def random_heads(kind: str, target: TorchRuntime, precision: str, seed: int = 0)
 
 
 def head_proposer(kind: str, target: TorchRuntime, precision: str, tree: int, k: int,
-                  topk: int = 2, graphs: bool = True):
-    """A head proposer as the CLI builds it; EAGLE steps replay CUDA graphs on a GPU (the
-    default) unless `graphs` is False."""
+                  topk: int = 2, graphs: bool | str = True):
+    """A head proposer as the CLI builds it; EAGLE steps replay CUDA graphs on a GPU and grow
+    the tree there (the default); graphs="levels": graphed steps, but the tree grown level by
+    level through the host (the code before the device tree); False: every step eager."""
     heads = random_heads(kind, target, precision)
     proposer = PROPOSERS[kind](SpecConfig(kind, k, tree=tree, tree_topk=topk), target, None,
                                heads)
     if not graphs:
         proposer.static = None
+    if graphs == "levels":
+        proposer.tree_on_device = False
     return proposer
 
 
@@ -142,6 +147,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--precisions", default="bfloat16,int8",
+                    help="head drafting precisions to time, comma-separated")
     ap.add_argument("--small", action="store_true", help="tiny shapes (to try the script)")
     args = ap.parse_args()
     if args.small:
@@ -173,6 +180,9 @@ def main() -> None:
     for precision in ("bfloat16", "int8"):  # drafts may change, the output may not
         checks[f"eagle-tree8-{precision}"] = (head_proposer, "eagle", t32, precision, 8, args.k)
     checks["eagle-tree8-eager"] = (head_proposer, "eagle", t32, "float32", 8, args.k, 2, False)
+    checks["eagle-tree8-levels"] = (head_proposer, "eagle", t32, "float32", 8, args.k, 2,
+                                    "levels")
+    checks["eagle3-auto16"] = (head_proposer, "eagle3", t32, "float32", AUTO_TREE, 16)
     checks["eagle-tree8-reused"] = (reused_eagle, t32, prompt, args.k)
     results["equality"] = {}
     for name, (make, *make_args) in checks.items():
@@ -224,23 +234,37 @@ def main() -> None:
     results["head_cost"] = {"target_fwd1_ms": fwd1,
                             "target_eager_fwd1_ms": curves["target eager"].seconds[0] * 1e3}
     print(f"head propose ms (x target fwd(1) = {fwd1:.2f} ms), k={args.k}")
-    rows = [(kd, p, g) for kd in KINDS for p in ("bfloat16", "int8")
-            for g in ((True, False) if "eagle" in kd else (True,))]  # EAGLE: graphs and eager
+    # EAGLE: the tree grown on the device, level by level through the host, every step eager
+    rows = [(kd, p, g) for kd in KINDS for p in args.precisions.split(",")
+            for g in ((True, "levels", False) if "eagle" in kd else (True,))]
+    # a chain of k; 8 nodes of a tree k deep, 2 children a node; 32 nodes, 8 deep, 4; the
+    # automatic budget 16 deep, 2 children (the bench's EAGLE setting)
+    shapes = (("chain", 0, args.k, 1), ("tree8", 8, args.k, 2), ("tree32", 32, 8, 4),
+              ("auto16", AUTO_TREE, 16, 2))
     for kind, precision, graphs in rows:
         row = {}
-        # a chain of k; 8 nodes of a tree k deep, 2 children a node; 32 nodes, 8 deep, 4
-        for label, tree, k, topk in (("chain", 0, args.k, 1), ("tree8", 8, args.k, 2),
-                                     ("tree32", 32, 8, 4)):
+        for label, tree, k, topk in shapes:
+            if "eagle" not in kind and label == "auto16":
+                continue
             try:
                 row[label] = propose_ms(head_proposer(kind, target, precision, tree, k, topk,
                                                       graphs), target, prompt, k)
             except Exception as e:
                 row[label] = repr(e)
-        name = f"{kind}-{precision}" + ("" if graphs else "-eager")
+        name = f"{kind}-{precision}" + {True: "", "levels": "-levels", False: "-eager"}[graphs]
         results["head_cost"][name] = row
-        print(f"{name:22s} " + "  ".join(
+        print(f"{name:24s} " + "  ".join(
             f"{label} {v:6.2f} ms ({v / fwd1:.2f}x)" if isinstance(v, float) else
             f"{label} {v}" for label, v in row.items()))
+    # per draft step: a propose's ms over the levels it drafts (Medusa's heads: one step)
+    depth = {label: k for label, _, k, _ in shapes}
+    for name, row in list(results["head_cost"].items()):
+        if isinstance(row, dict) and "eagle" in name:
+            per = {label: v / depth[label] / fwd1 for label, v in row.items()
+                   if isinstance(v, float)}
+            results["head_cost"][name + "/per_level_x"] = per
+            print(f"{name:24s} per level: " + "  ".join(f"{label} {v:.3f}x"
+                                                          for label, v in per.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -259,6 +283,7 @@ def propose_ms(proposer, target: TorchRuntime, prompt: list[int], k: int, reps: 
     for _ in range(reps):
         # as if the last token had just been accepted (the cache starts at `first`)
         proposer.committed = len(prompt) - 2 - proposer.first
+        proposer.skip = 0  # an automatic budget may rest after a draft it cut to nothing
         proposer.feed({i: h[-1:] for i, h in hidden.items()})
         start = time.perf_counter()
         proposer.propose(prompt, k, greedy, gen)

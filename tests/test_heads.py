@@ -42,7 +42,7 @@ from forerun.propose.ngram import LOOKUP_PRIOR_PER_N, LookupBranch
 from forerun.reference import plain_decode
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.train import TrainConfig, chat_prompts, corpus_vocab, teacher, train
-from forerun.tree import TokenTree, best_budget, graft, grow_tree, match_depth
+from forerun.tree import TokenTree, best_budget, candidates, graft, grow_tree, match_depth, prune
 from forerun.verify import recursive_rejection_sample
 
 GREEDY = SamplingConfig(temperature=0)
@@ -102,6 +102,21 @@ def test_grow_tree_keeps_the_likeliest_paths():
 
     assert grow_tree(root, expand, depth=3, topk=2, beam=2, budget=two) == ([0, 0], [-1, 0])
     assert expanded == [[0, 1], [2]]  # level 3: 0>0 (.45), not 1>0 (.27): it ranks 4th
+
+
+def test_a_tree_grown_elsewhere_prunes_as_grow_tree_does():
+    """Flat arrays of a tree grown on a device (scores, tokens, parents, level by level) ->
+    candidates with their depths, nodes of log-probability -inf and their descendants left
+    out (grow_tree never adds them); then EAGLE-2's rerank keeps the likeliest paths."""
+    inf = float("-inf")
+    # root -> a (-0.1), b (-2.0), c (-inf); a -> d (-0.3), e (-1.0); c -> f (-inf)
+    found = candidates([-0.1, -2.0, inf, -0.3, -1.0, inf], [10, 11, 12, 13, 14, 15],
+                       [-1, -1, -1, 0, 0, 2])
+    assert [(c.token, c.parent, c.depth) for c in found] == [
+        (10, -1, 1), (11, -1, 1), (13, 0, 2), (14, 0, 2)]
+    assert prune(found, 2) == ([10, 13], [-1, 0])
+    assert prune(found, 3) == ([10, 13, 14], [-1, 0, 0])
+    assert prune(found, len) == ([10, 11, 13, 14], [-1, -1, 0, 0])
 
 
 # --- tree verification in the torch runtime ---------------------------------------------
@@ -627,8 +642,11 @@ def test_train_command_then_generate_with_the_heads(tmp_path):
 @pytest.mark.parametrize("tree", [0, 6, AUTO_TREE])
 def test_eagle_static_steps_draft_as_the_eager_ones(kind, tree):
     """EAGLE's steps in static shapes (replayed as CUDA graphs on a GPU; eagerly here): the
-    same drafts as the eager steps, step after step (catching up, tree levels, padding to the
-    next size, the prompt's long catch-up left eager), and greedy output equal to plain."""
+    same drafts as the eager steps, step after step (catching up, padding to the next size,
+    the prompt's long catch-up left eager, the tree grown on the device), and greedy output
+    equal to plain. An automatic budget's device tree is grown whole before the cut (the
+    eager one stops expanding nodes the budget would not carry), so there only the output
+    must match."""
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
     runs = {}
     for static in (False, True):
@@ -650,7 +668,10 @@ def test_eagle_static_steps_draft_as_the_eager_ones(kind, tree):
                                    make_generator(0))
         runs[static] = ([t for s in steps for t in s.tokens], drafts)
         assert bool(proposer.static and proposer.static._sized) == static  # the path was taken
-    assert runs[True] == runs[False]
+        assert bool(proposer.static and proposer.static.tree._shaped) == static
+    assert runs[True][0] == runs[False][0]
+    if tree != AUTO_TREE:
+        assert runs[True][1] == runs[False][1]
     assert runs[True][0] == [t for s in plain_decode(tiny_runtime(0), prompt, GREEDY, 30, (),
                                                       make_generator(0)) for t in s.tokens]
 

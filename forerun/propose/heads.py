@@ -38,7 +38,7 @@ from forerun.heads import Heads
 from forerun.propose.base import Draft
 from forerun.propose.ngram import LookupBranch
 from forerun.runtime.static import StaticHeadSteps
-from forerun.tree import Candidate, best_budget, graft, grow_tree, match_depth
+from forerun.tree import Candidate, best_budget, candidates, graft, grow_tree, match_depth, prune
 
 TREE_SLACK = 256  # EAGLE cache slots past the context for a draft tree's nodes
 AUTO_TREE = -1  # SpecConfig.tree: choose each step's node budget from the verify-cost curve
@@ -71,6 +71,9 @@ class HeadProposer:
     # (head_seconds) and priced by the automatic budget
     runtime = None
     static: StaticHeadSteps | None = None  # EAGLE: its steps in static shapes (CUDA graphs)
+    # EAGLE with static steps: grow the draft tree on the device (static.tree); False grows it
+    # level by level through the host (scripts/gpu_check.py compares the two)
+    tree_on_device = True
 
     def __init__(self, heads: Heads, capacity: int, tree: int = 0, topk: int = 4,
                  verify=None, prompt_features: bool = True, lookup: LookupBranch | None = None,
@@ -176,7 +179,7 @@ class HeadProposer:
             return self._lookup_only(chain, chain_scores)
         started = perf_counter()
         if self.eagle:
-            root, expand = self._eagle(tokens)
+            root, expand, (root_o, root_pos) = self._eagle(tokens)
         elif self.cfg.kind == "medusa":
             root, expand = self._medusa()
         else:
@@ -189,7 +192,14 @@ class HeadProposer:
         self._take = len(chain)
         if self.tree == AUTO_TREE:
             budget = self._auto_budget(chain_scores)
-        ids, parents = grow_tree(root, expand, depth=k, topk=topk, beam=topk, budget=budget)
+        grown = (self.static.tree if self.eagle and self.static is not None
+                 and self.tree_on_device else None)
+        if grown is not None and grown.fits(self.committed, k, topk, topk):
+            # the whole tree on the device, one copy back (a GPU: no round trip per level)
+            ids, parents = prune(candidates(*grown.grow(root_o, root, root_pos, self.committed,
+                                                        k, topk, topk)), budget)
+        else:
+            ids, parents = grow_tree(root, expand, depth=k, topk=topk, beam=topk, budget=budget)
         elapsed = perf_counter() - started
         self.head_seconds = elapsed if not self.head_seconds else (
             self.head_seconds + HEAD_SECONDS_MEMORY * (elapsed - self.head_seconds))
@@ -234,6 +244,8 @@ class HeadProposer:
 
     def _medusa(self):
         lp = self.heads.logits(self.heads.medusa(self.last)[:, 0]).log_softmax(-1)  # [K, N]
+        if lp.device.type != "cpu":  # every head's row in one copy, not one a tree level
+            lp = lp.cpu()
 
         def expand(frontier: list[int], found: list[Candidate]) -> torch.Tensor:
             depth = found[frontier[0]].depth  # one level at a time: head `depth` comes next
@@ -291,7 +303,7 @@ class HeadProposer:
             state.update({i: (out[r:r + 1], slot + r) for r, i in enumerate(frontier)})
             return lp
 
-        return logprobs[-1], expand
+        return logprobs[-1], expand, (root_o, root_pos)
 
     def _step(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
               slot: int, mask: torch.Tensor | None, last_only: bool = False

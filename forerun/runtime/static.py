@@ -21,10 +21,13 @@ against the plain forward without a GPU. Passes with more tokens (prompts), othe
 than the final one, or too close to the end of the cache take the plain eager forward.
 
 `StaticHeadSteps` does the same for an EAGLE head's step (1-32 rows: catching up with the
-target, then one tree level at a time), over one proposer's head cache.
+target), over one proposer's head cache, and `StaticEagleTree` for the whole draft tree after
+it: every level grown on the device, one copy back to the host a draft.
 """
 
 from __future__ import annotations
+
+import gc
 
 import torch
 import torch.nn.functional as F
@@ -49,13 +52,15 @@ class _Recorded:
     def bucket(self, T: int) -> int:
         return next(b for b in self.sizes if b >= T)
 
-    def _play(self, T: int, *inputs):
-        """Load `inputs` into size bucket(T)'s buffers and run it: eagerly (CPU), else its
-        graph, recorded at first use. -> that size's buffers."""
+    def _play(self, T: int, *inputs, span: int | None = None):
+        """Load `inputs` into size bucket(T)'s buffers (for attention over the first `span`
+        cache slots, where the subclass has spans) and run it: eagerly (CPU), else its graph,
+        recorded at first use. -> that size's buffers."""
         B = self.bucket(T)
-        p = self._sized.get(B)
+        key = B if span is None else (B, span)
+        p = self._sized.get(key)
         if p is None:
-            p = self._sized[B] = self._make(B)
+            p = self._sized[key] = self._make(*((B,) if span is None else (B, span)))
         p.load(*inputs)
         if not self.graphs:
             p.run()
@@ -150,7 +155,34 @@ def static_block(layer, x, cos, sin, k_cache, v_cache, slots, mask):
     return layer.finish(x, attn)
 
 
+def top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.topk(k, dim=-1) of a few long rows x [R, N], in two stages where N splits into
+    chunks of 256: each chunk's top k, then the top k of those. torch's single-block top-k
+    gives a row one block (H100: 72 us for a few rows of 16,384); chunks spread it over many.
+    Equal values may come in another order than topk's."""
+    R, N = x.shape
+    if N % 256 or N < 2048 or k > 32:
+        return x.topk(k, dim=-1)
+    v, i = x.view(R, N // 256, 256).topk(k, dim=-1)  # [R, N/256, k]
+    i = i + torch.arange(0, N, 256, device=x.device)[:, None]
+    best, j = v.reshape(R, -1).topk(k, dim=-1)  # [R, k]
+    return best, i.reshape(R, -1).gather(-1, j)
+
+
 HEAD_SIZES = (1, 2, 4, 8, 16, 32)  # padded rows of an EAGLE head step
+MIN_SPAN = 256  # an EAGLE head's attention spans the first 256, 512, 1024, ... cache slots
+
+
+def span_of(end: int, capacity: int) -> int:
+    """The attention span of a head step whose rows end before cache slot `end`: the
+    smallest power of two >= end, at least MIN_SPAN, at most the cache. A head's drafts do
+    not change the output, so their numerics may depend on the span; attending over the whole
+    cache made a step's attention most of its time (H100, a 2,304-slot cache: ~130 of ~280
+    us, the math kernel's matmuls over every slot)."""
+    span = MIN_SPAN
+    while span < end:
+        span *= 2
+    return min(span, capacity)
 
 
 class StaticHeadSteps(_Recorded):
@@ -163,9 +195,10 @@ class StaticHeadSteps(_Recorded):
     def __init__(self, heads, k_cache: torch.Tensor, v_cache: torch.Tensor, graphs: bool):
         super().__init__(HEAD_SIZES, k_cache.shape[1], graphs)
         self.heads, self.k_cache, self.v_cache = heads, k_cache, v_cache
+        self.tree = StaticEagleTree(heads, k_cache, v_cache, graphs)  # the draft tree's levels
 
-    def _make(self, B: int) -> _HeadStep:
-        return _HeadStep(self, B)
+    def _make(self, B: int, span: int) -> _HeadStep:
+        return _HeadStep(self, B, span)
 
     def step(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              slot: int, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,13 +206,14 @@ class StaticHeadSteps(_Recorded):
         slot.., mask [T, slot+T] bool (None: every earlier slot and its own) -> (o [T, D],
         log-probabilities [T, N]), copies of the static outputs."""
         T = features.shape[0]
-        s = self._play(T, features, tokens, positions, slot, mask)
+        s = self._play(T, features, tokens, positions, slot, mask,
+                       span=span_of(slot + self.bucket(T), self.capacity))
         return s.o[:T].clone(), s.logprobs[:T].clone()
 
 
 class _HeadStep:
-    def __init__(self, owner: StaticHeadSteps, B: int):
-        self.owner, self.B, self.graph = owner, B, None
+    def __init__(self, owner: StaticHeadSteps, B: int, span: int):
+        self.owner, self.B, self.span, self.graph = owner, B, span, None
         heads, C = owner.heads, owner.capacity
         dev, pin = heads.device, heads.device.type == "cuda"
         D, N = heads.cfg.dim, heads.vocab_ids.shape[0]
@@ -218,10 +252,128 @@ class _HeadStep:
         heads = owner.heads
         x = heads.fc(torch.cat([self.features, heads.embed_of(self.tokens)], dim=-1))  # [B, D]
         cos, sin = heads.cos[self.positions], heads.sin[self.positions]
-        out = static_block(heads.layer, x, cos, sin, owner.k_cache, owner.v_cache,
-                           self.slot + self.offsets, self.mask)
+        S = self.span
+        out = static_block(heads.layer, x, cos, sin, owner.k_cache[:, :S],
+                           owner.v_cache[:, :S], self.slot + self.offsets, self.mask[:, :S])
         self.o.copy_(out)
         self.logprobs.copy_(heads.logits(out).log_softmax(-1))
+
+
+def tree_shape(depth: int, topk: int, beam: int, vocab: int) -> list[tuple[int, int]]:
+    """Per level of an EAGLE-2 tree grown in static shapes: (nodes expanded, nodes found);
+    level 1 expands the root alone."""
+    width, levels = min(topk, vocab), []
+    found = width
+    levels.append((1, found))
+    for _ in range(2, depth + 1):
+        expanded = min(beam, found)
+        found = expanded * width
+        levels.append((expanded, found))
+    return levels
+
+
+class StaticEagleTree:
+    """EAGLE-2's dynamic tree (`forerun.tree.grow_tree`) grown on the device, in static shapes:
+    from the root's output and log-probabilities, every level picks its `beam` likeliest nodes
+    (top-k of the path log-probabilities), runs the head's step over them (their slots after
+    the committed ones, each attending to the committed entries, its ancestors and itself) and
+    takes each one's `topk` children, without a round trip to the host; the grown candidates
+    (path log-probabilities, draft-vocabulary tokens, parents) come back in one copy, for the
+    host to rerank and prune (`forerun.tree.prune`). On a GPU each (depth, topk, beam) is one
+    CUDA graph, recorded at first use; eagerly on the CPU (tests). It grows the whole tree,
+    where grow_tree with a budget function stops expanding nodes the budget would not carry:
+    on a GPU a level costs a replay's kernels, not a host round trip."""
+
+    def __init__(self, heads, k_cache: torch.Tensor, v_cache: torch.Tensor, graphs: bool):
+        self.heads, self.k_cache, self.v_cache, self.graphs = heads, k_cache, v_cache, graphs
+        self.capacity = k_cache.shape[1]
+        self._shaped: dict = {}
+        self._pool = torch.cuda.graph_pool_handle() if graphs else None
+
+    def fits(self, slot: int, depth: int, topk: int, beam: int) -> bool:
+        N = self.heads.vocab_ids.shape[0]
+        return depth >= 1 and slot + sum(e for e, _ in tree_shape(depth, topk, beam, N)[1:]
+                                         ) <= self.capacity
+
+    def grow(self, root_o: torch.Tensor, root_lp: torch.Tensor, root_pos: int, slot: int,
+             depth: int, topk: int, beam: int) -> tuple[list[float], list[int], list[int]]:
+        """root_o [1, D] and root_lp [N] (device): the head's output and log-probabilities at
+        the last committed entry, sequence position root_pos; nodes take cache slots slot..
+        -> (path log-probabilities, tokens, parents) of every grown node, level by level."""
+        N = self.heads.vocab_ids.shape[0]
+        end = slot + sum(e for e, _ in tree_shape(depth, topk, beam, N)[1:])
+        key = (depth, topk, beam, span_of(end, self.capacity))
+        g = self._shaped.get(key)
+        if g is None:
+            g = self._shaped[key] = _Grow(self, *key)
+        g.load(root_o, root_lp, root_pos, slot)
+        if not self.graphs:
+            g.run()
+        elif g.graph is None:
+            _capture(g, self._pool)
+        else:
+            g.graph.replay()
+        scores, tokens, parents = g.out.cpu()  # [3, M] float64: one copy to the host
+        return scores.tolist(), tokens.long().tolist(), parents.long().tolist()
+
+
+class _Grow:
+    def __init__(self, owner: StaticEagleTree, depth: int, topk: int, beam: int, span: int):
+        self.owner, self.graph = owner, None
+        heads, C = owner.heads, span  # attention over the first `span` cache slots
+        dev, pin = heads.device, heads.device.type == "cuda"
+        N = heads.vocab_ids.shape[0]
+        self.levels = tree_shape(depth, topk, beam, N)
+        self.width = min(topk, N)
+        self.host = torch.zeros(2, dtype=torch.long, pin_memory=pin)  # root position, slot
+        self.inputs = torch.zeros_like(self.host, device=dev)
+        self.root_o = torch.zeros(1, heads.cfg.dim, device=dev)  # [1, D]
+        self.root_lp = torch.zeros(N, device=dev)  # [N]
+        self.columns = torch.arange(C, device=dev)  # [C]
+        self.offsets = torch.arange(max(e for e, _ in self.levels), device=dev)
+        self.out = torch.zeros(3, sum(f for _, f in self.levels), dtype=torch.float64,
+                               device=dev)  # [3, M] scores, tokens, parents
+
+    def load(self, root_o, root_lp, root_pos: int, slot: int) -> None:
+        self.host[0], self.host[1] = root_pos, slot
+        self.inputs.copy_(self.host, non_blocking=True)
+        self.root_o.copy_(root_o)
+        self.root_lp.copy_(root_lp)
+
+    def run(self) -> None:
+        owner = self.owner
+        heads, W = owner.heads, self.width
+        root_pos, slot = self.inputs[0], self.inputs[1]
+        scores, tokens = top(self.root_lp[None], W)  # level 1: the root's children
+        scores, tokens = scores[0], tokens[0]  # [W]
+        parents = torch.full_like(tokens, -1)
+        index = torch.arange(W, device=tokens.device)  # level's nodes' indices among all
+        outputs = self.root_o.expand(W, -1)  # [L, D] each node's parent's output
+        masks = (self.columns < slot).expand(W, -1)  # [L, C] its parent's view of the cache
+        found, used, count = [(scores, tokens, parents)], 0, W
+        for d, (E, L) in enumerate(self.levels[1:], start=2):
+            best, pick = scores.topk(E)  # [E] the level's likeliest nodes, best first
+            slots = slot + used + self.offsets[:E]  # [E]
+            used += E
+            mask = masks[pick] | (self.columns[None, :] == slots[:, None])  # [E, C]
+            ids = heads.vocab_ids[tokens[pick]]  # [E] target ids
+            x = heads.fc(torch.cat([outputs[pick], heads.embed_of(ids)], dim=-1))  # [E, D]
+            pos = (root_pos + d - 1).expand(E)  # a node at depth d-1
+            cos, sin = heads.cos[pos], heads.sin[pos]
+            C = self.columns.shape[0]
+            out = static_block(heads.layer, x, cos, sin, owner.k_cache[:, :C],
+                               owner.v_cache[:, :C], slots, mask)  # [E, D]
+            v, t = top(heads.logits(out).log_softmax(-1), W)  # [E, W]
+            scores, tokens = (best[:, None] + v).reshape(L), t.reshape(L)
+            parents = index[pick][:, None].expand(E, W).reshape(L)  # [L]
+            index = count + torch.arange(L, device=tokens.device)
+            count += L
+            outputs = out[:, None].expand(E, W, -1).reshape(L, -1)  # [L, D]
+            masks = mask[:, None].expand(E, W, -1).reshape(L, -1)  # [L, C]
+            found.append((scores, tokens, parents))
+        self.out[0].copy_(torch.cat([s for s, _, _ in found]))
+        self.out[1].copy_(torch.cat([t for _, t, _ in found]))
+        self.out[2].copy_(torch.cat([p for _, _, p in found]))
 
 
 def _capture(p, pool) -> None:
@@ -233,6 +385,12 @@ def _capture(p, pool) -> None:
         p.run()
     torch.cuda.current_stream().wait_stream(stream)
     p.graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(p.graph, pool=pool):
-        p.run()
+    collecting = gc.isenabled()
+    gc.disable()  # a collection during capture may free another object's graph, which
+    try:  # invalidates this capture (seen: CUBLAS_STATUS_EXECUTION_FAILED, H100)
+        with torch.cuda.graph(p.graph, pool=pool):  # (it collects once before capturing)
+            p.run()
+    finally:
+        if collecting:
+            gc.enable()
     p.graph.replay()
