@@ -40,6 +40,7 @@ from forerun.propose.base import Draft
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, MIN_IDLE, HeadProposer
 from forerun.propose.ngram import LOOKUP_PRIOR_PER_N, LookupBranch
 from forerun.reference import plain_decode
+from forerun.runtime.static import MIN_SPAN, span_of, top
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.train import TrainConfig, chat_prompts, corpus_vocab, teacher, train
 from forerun.tree import TokenTree, best_budget, candidates, graft, grow_tree, match_depth, prune
@@ -102,6 +103,20 @@ def test_grow_tree_keeps_the_likeliest_paths():
 
     assert grow_tree(root, expand, depth=3, topk=2, beam=2, budget=two) == ([0, 0], [-1, 0])
     assert expanded == [[0, 1], [2]]  # level 3: 0>0 (.45), not 1>0 (.27): it ranks 4th
+
+
+def test_two_stage_top_k_and_head_attention_spans():
+    """`top` (chunks' top k, then theirs) equals topk on long rows, falls back to topk on
+    rows it cannot chunk; a head step's attention span is a power of two past its rows, at
+    least MIN_SPAN, at most the cache."""
+    x = torch.randn(3, 16_384, generator=torch.Generator().manual_seed(0))
+    for k in (1, 2, 4, 8):
+        got, want = top(x, k), x.topk(k, dim=-1)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    y = torch.randn(2, 300)
+    assert torch.equal(top(y, 3)[1], y.topk(3, dim=-1)[1])
+    assert [span_of(e, 2304) for e in (1, 256, 257, 1500, 2049, 2304)] == [
+        MIN_SPAN, 256, 512, 2048, 2304, 2304]
 
 
 def test_a_tree_grown_elsewhere_prunes_as_grow_tree_does():
