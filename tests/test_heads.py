@@ -37,7 +37,7 @@ from forerun.heads import (
 from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
-from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, MIN_IDLE, HeadProposer
+from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, MIN_IDLE, HeadProposer, next_depth
 from forerun.propose.ngram import LOOKUP_PRIOR_PER_N, LookupBranch
 from forerun.reference import plain_decode
 from forerun.runtime.static import MIN_SPAN, span_of, top
@@ -117,6 +117,26 @@ def test_two_stage_top_k_and_head_attention_spans():
     assert torch.equal(top(y, 3)[1], y.topk(3, dim=-1)[1])
     assert [span_of(e, 2304) for e in (1, 256, 257, 1500, 2049, 2304)] == [
         MIN_SPAN, 256, 512, 2048, 2304, 2304]
+
+
+def test_an_automatic_device_tree_grows_as_deep_as_its_cuts_keep():
+    """Under an automatic budget the device tree's depth follows the cuts: one level past
+    the deepest kept node (a power of two), twice as deep when the cut kept the bottom."""
+    assert next_depth([], 4) == 1  # nothing kept: the root's children only
+    assert next_depth([-1, 0, 1], 4) == 4
+    assert next_depth([-1, 0, 1, 2], 4) == 8
+    assert next_depth([-1, -1, 0], 8) == 4
+    target = tiny_runtime(0)
+    proposer = HeadProposer(random_heads("eagle", target), target.capacity, AUTO_TREE, 2,
+                            verify=lambda n: 1.0, static=True)  # a flat curve keeps all
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+    depths = []
+    for step in speculative_decode(target, proposer, FixedK(16), prompt, GREEDY, 12, (),
+                                   make_generator(0)):
+        depths.append(proposer.device_depth)
+        del step
+    # the prompt's step drafts nothing; then 4 levels are grown and kept whole, then 8
+    assert depths[:3] == [4, 8, 16]
 
 
 def test_a_tree_grown_elsewhere_prunes_as_grow_tree_does():
