@@ -14,6 +14,9 @@ target's features of every token in the target's cache (all tokens but the pendi
   starts there (`first`: the sequence position of its slot 0).
 Head drafts are deterministic (top-k choices, q = None), which the verifier treats as one-hot
 proposals: lossless under sampling too.
+With static steps (a GPU: CUDA graphs) EAGLE grows its tree on the device in one replay and
+copies the candidates back once (`forerun.runtime.static.StaticEagleTree`); elsewhere
+`grow_tree` expands level by level through the host.
 With tree = AUTO_TREE the node budget is chosen per step from the target's verify-cost curve
 (`forerun.tree.best_budget`): the tree is grown to AUTO_TREE_MAX nodes, then cut to the size with
 the most expected tokens per second, the head's path confidences scaled by how well they have

@@ -279,10 +279,11 @@ class StaticEagleTree:
     the committed ones, each attending to the committed entries, its ancestors and itself) and
     takes each one's `topk` children, without a round trip to the host; the grown candidates
     (path log-probabilities, draft-vocabulary tokens, parents) come back in one copy, for the
-    host to rerank and prune (`forerun.tree.prune`). On a GPU each (depth, topk, beam) is one
-    CUDA graph, recorded at first use; eagerly on the CPU (tests). It grows the whole tree,
-    where grow_tree with a budget function stops expanding nodes the budget would not carry:
-    on a GPU a level costs a replay's kernels, not a host round trip."""
+    host to rerank and prune (`forerun.tree.prune`). On a GPU each (depth, topk, beam,
+    attention span) is one CUDA graph, recorded at first use; eagerly on the CPU (tests). It
+    grows every level it is asked for, where grow_tree with a budget function stops expanding
+    nodes the budget would not carry (the proposer sizes an automatic budget's depth from its
+    last cuts instead: `forerun.propose.heads.next_depth`)."""
 
     def __init__(self, heads, k_cache: torch.Tensor, v_cache: torch.Tensor, graphs: bool):
         self.heads, self.k_cache, self.v_cache, self.graphs = heads, k_cache, v_cache, graphs
@@ -319,7 +320,7 @@ class StaticEagleTree:
 
 class _Grow:
     def __init__(self, owner: StaticEagleTree, depth: int, topk: int, beam: int, span: int):
-        self.owner, self.graph = owner, None
+        self.owner, self.span, self.graph = owner, span, None
         heads, C = owner.heads, span  # attention over the first `span` cache slots
         dev, pin = heads.device, heads.device.type == "cuda"
         N = heads.vocab_ids.shape[0]
@@ -360,9 +361,9 @@ class _Grow:
             x = heads.fc(torch.cat([outputs[pick], heads.embed_of(ids)], dim=-1))  # [E, D]
             pos = (root_pos + d - 1).expand(E)  # a node at depth d-1
             cos, sin = heads.cos[pos], heads.sin[pos]
-            C = self.columns.shape[0]
-            out = static_block(heads.layer, x, cos, sin, owner.k_cache[:, :C],
-                               owner.v_cache[:, :C], slots, mask)  # [E, D]
+            S = self.span
+            out = static_block(heads.layer, x, cos, sin, owner.k_cache[:, :S],
+                               owner.v_cache[:, :S], slots, mask)  # [E, D]
             v, t = top(heads.logits(out).log_softmax(-1), W)  # [E, W]
             scores, tokens = (best[:, None] + v).reshape(L), t.reshape(L)
             parents = index[pick][:, None].expand(E, W).reshape(L)  # [L]
