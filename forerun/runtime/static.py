@@ -62,12 +62,7 @@ class _Recorded:
         if p is None:
             p = self._sized[key] = self._make(*((B,) if span is None else (B, span)))
         p.load(*inputs)
-        if not self.graphs:
-            p.run()
-        elif p.graph is None:
-            _capture(p, self._pool)
-        else:
-            p.graph.replay()
+        _launch(p, self.graphs, self._pool)
         return p
 
 
@@ -308,12 +303,7 @@ class StaticEagleTree:
         if g is None:
             g = self._shaped[key] = _Grow(self, *key)
         g.load(root_o, root_lp, root_pos, slot)
-        if not self.graphs:
-            g.run()
-        elif g.graph is None:
-            _capture(g, self._pool)
-        else:
-            g.graph.replay()
+        _launch(g, self.graphs, self._pool)
         scores, tokens, parents = g.out.cpu()  # [3, M] float64: one copy to the host
         return scores.tolist(), tokens.long().tolist(), parents.long().tolist()
 
@@ -375,6 +365,17 @@ class _Grow:
         self.out[0].copy_(torch.cat([s for s, _, _ in found]))
         self.out[1].copy_(torch.cat([t for _, t, _ in found]))
         self.out[2].copy_(torch.cat([p for _, _, p in found]))
+
+
+def _launch(p, graphs: bool, pool) -> None:
+    """Run a static pass `p` over its loaded buffers: eagerly (the CPU), else its CUDA graph,
+    recorded at first use."""
+    if not graphs:
+        p.run()
+    elif p.graph is None:
+        _capture(p, pool)
+    else:
+        p.graph.replay()
 
 
 def _capture(p, pool) -> None:
