@@ -479,6 +479,7 @@ def test_tree_verification_accepts_paths_off_the_first_branch():
     ("hydra", 0, SamplingConfig(temperature=1.0), False),
     ("medusa", AUTO_TREE, SamplingConfig(temperature=1.0), False),  # sized per step (flat curve)
     ("eagle", AUTO_TREE, SamplingConfig(temperature=1.0), True),  # + the prompt-lookup branch
+    ("eagle", "static", SamplingConfig(temperature=1.0), False),  # tree grown as on a GPU
 ])
 def test_sampling_with_head_trees_matches_target_joint(kind, tree, sampling, lookup):
     from conftest import tiny_runtime as rt_of
@@ -490,10 +491,14 @@ def test_sampling_with_head_trees_matches_target_joint(kind, tree, sampling, loo
     counts, generator = {}, make_generator(2024)
     for _ in range(RUNS):
         t = target()
-        proposer = (HeadProposer(heads, t.capacity, AUTO_TREE, 2, verify=lambda n: 1.0,
-                                 lookup=LookupBranch() if lookup else None)
-                    if tree == AUTO_TREE else
-                    PROPOSERS[kind](SpecConfig(kind, 2, tree=tree, tree_topk=2), t, None, heads))
+        if tree == "static":  # static steps, the tree grown in one pass (eager here)
+            proposer = HeadProposer(heads, t.capacity, 5, 2, static=True)
+        elif tree == AUTO_TREE:
+            proposer = HeadProposer(heads, t.capacity, AUTO_TREE, 2, verify=lambda n: 1.0,
+                                    lookup=LookupBranch() if lookup else None)
+        else:
+            proposer = PROPOSERS[kind](SpecConfig(kind, 2, tree=tree, tree_topk=2), t, None,
+                                       heads)
         steps = speculative_decode(t, proposer, FixedK(2), PROMPT, sampling, 3, (), generator)
         seq = tuple(x for s in steps for x in s.tokens)
         counts[seq] = counts.get(seq, 0) + 1
