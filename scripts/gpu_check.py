@@ -8,6 +8,9 @@ What it does, on `--device` (default cuda):
 2. The verify curve: forward time over 1..64 new tokens after 200 cached ones, target and draft,
    in `--dtype` (default bfloat16), with decode-sized passes replayed as CUDA graphs (the torch
    runtime's default on a GPU, forerun/runtime/static.py) and eager; plain decoding equal in both.
+   Also the target's graphed passes attending over power-of-two spans of the cache (the
+   experimental `spans=True`): its curve, its plain decoding speed, and greedy equality (plain
+   with spans as without; speculative with spans as plain with spans).
 3. Decode speed: plain tok/s, and speculative tok/s with the target as its own draft (every draft
    token accepted: the loop's best case, so the overhead of the machinery shows).
 4. Heads on the GPU: random-initialised Medusa, Hydra, EAGLE and EAGLE-3 heads (the trained
@@ -83,6 +86,12 @@ def decode(target, proposer, prompt, max_tokens, k) -> tuple[list[int], float, i
 def eager(rt: TorchRuntime) -> TorchRuntime:
     """The same weights, a cache of its own, every pass eager (no CUDA graphs)."""
     return TorchRuntime(rt.model, rt.capacity, static=False)
+
+
+def spanned(rt: TorchRuntime) -> TorchRuntime:
+    """The same weights, a cache of its own, graphed passes attending over power-of-two spans
+    of the cache (experimental `spans=True`)."""
+    return TorchRuntime(rt.model, rt.capacity, spans=True)
 
 
 def random_heads(kind: str, target: TorchRuntime, precision: str, seed: int = 0) -> Heads:
@@ -171,6 +180,20 @@ def main() -> None:
         eager(t32), prompt, ref_eager, ref)}
     print(f"greedy plain fp32, graphs vs eager: "
           f"{'identical' if same else results['graphs_equal_eager_plain']}")
+    # attention over spans of the cache (experimental): plain output as without, and lossless
+    s32 = spanned(t32)
+    ref_spans, _, _ = decode(s32, None, prompt, 64, 0)
+    results["spans_equal_plain"] = {"identical": ref_spans == ref, "divergence":
+                                    first_divergence(t32, prompt, ref, ref_spans)}
+    print(f"greedy plain fp32, spans vs whole cache: "
+          f"{'identical' if ref_spans == ref else results['spans_equal_plain']}")
+    for name, proposer in (("self", DraftModelProposer(s32.fork(), VOCAB)),
+                           ("eagle-tree8", head_proposer("eagle", s32, "float32", 8, args.k))):
+        out, _, _ = decode(s32, proposer, prompt, 64, args.k)
+        div = first_divergence(s32, prompt, ref_spans, out)
+        results[f"spans_equality_{name}"] = {"identical": out == ref_spans, "divergence": div}
+        print(f"greedy equality fp32 spans {name}: {'identical' if out == ref_spans else div}")
+    del s32
     checks = {"draft": (DraftModelProposer, d32, VOCAB), "ngram": (NgramProposer, 1, 4),
               "self": (DraftModelProposer, t32.fork(), VOCAB)}
     for kind in KINDS:  # heads on the device: trees of 8 nodes, EAGLE also a chain and auto
@@ -203,21 +226,22 @@ def main() -> None:
     target = random_runtime("target", dtype, dev, 2048, seed=0)
     draft = random_runtime("draft", dtype, dev, 2048, seed=1)
     runtimes = {"target": target, "target eager": eager(target), "draft": draft,
-                "draft eager": eager(draft)}
+                "draft eager": eager(draft), "target spans": spanned(target)}
     curves = {role: measure_forward_curve(rt, SIZES, reps=20, warmup=3)
               for role, rt in runtimes.items()}
     results["curves"] = {role: c.to_dict() for role, c in curves.items()}
     t1 = curves["target"].seconds[0]
     print(f"{'tokens':>6} {'target ms':>10} {'x fwd(1)':>9} {'eager ms':>9} {'draft ms':>9} "
-          f"{'eager ms':>9}")
+          f"{'eager ms':>9} {'spans ms':>9}")
     for i, n in enumerate(SIZES):
         ms = [curves[role].seconds[i] * 1e3 for role in runtimes]
         print(f"{n:6d} {ms[0]:10.2f} {ms[0] / (t1 * 1e3):9.2f} {ms[1]:9.2f} {ms[2]:9.2f} "
-              f"{ms[3]:9.2f}")
+              f"{ms[3]:9.2f} {ms[4]:9.2f}")
 
     # 3. Decode speed: plain, and the target drafting for itself (acceptance 1, k tokens/step).
     results["decode"] = {}
-    for label, rt in (("graphs", target), ("eager", eager(target))):
+    for label, rt in (("graphs", target), ("eager", eager(target)),
+                      ("graphs, spans", spanned(target))):
         decode(rt, None, prompt, 16, 0)  # warm-up
         _, plain_s, _ = decode(rt, None, prompt, args.max_tokens, 0)
         out, self_s, steps = decode(rt, DraftModelProposer(rt.fork(), VOCAB), prompt,

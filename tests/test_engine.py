@@ -172,18 +172,22 @@ def test_reduced_draft_vocabulary_stays_lossless(temperature):
     assert all(t < 32 for s in steps[1:] for t in s.tokens[:s.accepted])  # drafts from the subset
 
 
-@pytest.mark.parametrize(("method", "tree"), [("draft", 0), ("ngram", 0), ("eagle", 6),
-                                              ("medusa", 6)])
-def test_static_passes_stay_lossless(method, tree):
+@pytest.mark.parametrize(("method", "tree", "spans"), [
+    ("draft", 0, False), ("ngram", 0, False), ("eagle", 6, False), ("medusa", 6, False),
+    ("draft", 0, True), ("eagle", 6, True)])
+def test_static_passes_stay_lossless(method, tree, spans):
     """Target and draft in the static-shape passes a GPU replays as CUDA graphs (run eagerly
-    here): greedy speculative output equals eager plain decoding, chains and trees."""
+    here): greedy speculative output equals eager plain decoding, chains and trees, also with
+    attention over spans of a larger cache (spans=True)."""
     from conftest import tiny_model
 
     from forerun.runtime.torch_model import TorchRuntime
 
     prompt = PROMPTS["repetitive"]
-    target = TorchRuntime(tiny_model(0), capacity=256, static=True)
-    draft = TorchRuntime(tiny_model(0, noise=0.05), capacity=256, static=True)
+    capacity = 1024 if spans else 256
+    target = TorchRuntime(tiny_model(0), capacity=capacity, static=True, spans=spans)
+    draft = TorchRuntime(tiny_model(0, noise=0.05), capacity=capacity, static=True,
+                         spans=spans)
     spec = SpecConfig(method, 5, tree=tree, tree_topk=2)
     proposer = PROPOSERS[method](spec, target, draft, heads_for(method, target))
     steps = list(speculative_decode(target, proposer, FixedK(5), prompt, SamplingConfig(),

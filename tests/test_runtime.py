@@ -121,17 +121,20 @@ def test_fork_shares_weights_and_keeps_a_cache_of_its_own():
     assert torch.allclose(want, second_next, atol=1e-10)
 
 
-def static_runtime(seed: int, capacity: int = 256, vocab: int = 64) -> TorchRuntime:
+def static_runtime(seed: int, capacity: int = 256, vocab: int = 64,
+                   spans: bool = False) -> TorchRuntime:
     """The static-shape passes a GPU replays as CUDA graphs, run eagerly on the CPU."""
-    return TorchRuntime(tiny_model(seed, vocab), capacity=capacity, static=True)
+    return TorchRuntime(tiny_model(seed, vocab), capacity=capacity, static=True, spans=spans)
 
 
-def test_static_passes_equal_the_eager_forward():
+@pytest.mark.parametrize("spans", [False, True])
+def test_static_passes_equal_the_eager_forward(spans):
     """Chains of every padded size, hidden states, last_only, a tree pass and its compaction:
-    the static pass (K/V at slots given as data, attention over the whole cache under a mask
-    built from `start` and the new tokens' mask, rows padded to a captured size) computes what
-    the eager forward computes; prompts past the largest size take the eager forward."""
-    eager, static = tiny_runtime(7), static_runtime(7)
+    the static pass (K/V at slots given as data, attention over the whole cache, or with
+    spans over its first 256 of 1,024 slots, under a mask built from `start` and the new
+    tokens' mask, rows padded to a captured size) computes what the eager forward computes;
+    prompts past the largest size take the eager forward."""
+    eager, static = tiny_runtime(7), static_runtime(7, 1024 if spans else 256, spans=spans)
     tokens = torch.randint(0, 64, (120,), generator=torch.Generator().manual_seed(0))
     for rt in (eager, static):
         rt.forward(tokens[:70])  # 70 > STATIC_SIZES[-1]: the eager path in both
@@ -155,6 +158,8 @@ def test_static_passes_equal_the_eager_forward():
         rt.keep(start, [0, 2, 3])
     a, b = (rt.forward(tokens[20:21]) for rt in (eager, static))
     assert torch.allclose(a.logits, b.logits, atol=1e-10)
+    keys = list(static._static._sized)  # (size, span) with spans, else sizes
+    assert {k[1] for k in keys} == {256} if spans else all(isinstance(k, int) for k in keys)
 
 
 def test_static_passes_near_the_end_of_the_cache_and_in_a_fork():

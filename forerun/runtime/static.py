@@ -69,15 +69,15 @@ class _Recorded:
 class StaticPasses(_Recorded):
     """The static passes of one runtime (its KV cache): buffers and graphs per padded size."""
 
-    def __init__(self, runtime, graphs: bool):
+    def __init__(self, runtime, graphs: bool, spans: bool = False):
         super().__init__(STATIC_SIZES, runtime.capacity, graphs)
-        self.rt = runtime
+        self.rt, self.spans = runtime, spans
 
     def fits(self, start: int, T: int, hidden_layers=()) -> bool:
         return set(hidden_layers) <= {-1} and super().fits(start, T)
 
-    def _make(self, B: int) -> _Pass:
-        return _Pass(self.rt, B)
+    def _make(self, B: int, span: int | None = None) -> _Pass:
+        return _Pass(self.rt, B, span)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None,
                 tree_mask: torch.Tensor | None, start: int
@@ -85,16 +85,18 @@ class StaticPasses(_Recorded):
         """-> (logits [T, V] float32, final normed hidden [T, D]) on the device; the hidden
         rows are a copy (the static buffer is overwritten by the next pass)."""
         T = tokens.shape[0]
-        p = self._play(T, tokens, positions, tree_mask, start)
+        span = span_of(start + self.bucket(T), self.capacity) if self.spans else None
+        p = self._play(T, tokens, positions, tree_mask, start, span=span)
         return p.logits[:T], p.hidden[:T].clone()
 
 
 class _Pass:
-    """One padded size B: static inputs and outputs, the pass over them, its graph."""
+    """One padded size B: static inputs and outputs, the pass over them, its graph; with a
+    `span`, attention over the cache's first `span` slots only."""
 
-    def __init__(self, rt, B: int):
+    def __init__(self, rt, B: int, span: int | None = None):
         self.rt, self.B, self.graph = rt, B, None
-        dev, C = rt.device, rt.capacity
+        dev, C = rt.device, span or rt.capacity
         # host staging, one copy in: tokens [B], positions [B], start [1], new-token mask [B*B]
         self.host = torch.zeros(2 * B + 1 + B * B, dtype=torch.long,
                                 pin_memory=dev.type == "cuda")
@@ -132,8 +134,10 @@ class _Pass:
         mask = (rel < 0)[None, :] | (new & (rel < B)[None, :])  # [B, C] bool
         cos, sin = rt.cos[self.positions], rt.sin[self.positions]  # [B, hd]
         x = model.embed(self.tokens)  # [B, D]
+        C = self.columns.shape[0]  # the span (the whole cache without one)
         for i, layer in enumerate(model.layers):
-            x = static_block(layer, x, cos, sin, rt.k_cache[i], rt.v_cache[i], slots, mask)
+            x = static_block(layer, x, cos, sin, rt.k_cache[i, :, :C], rt.v_cache[i, :, :C],
+                             slots, mask)
         h, logits = rt.head(x)
         self.hidden.copy_(h)
         self.logits.copy_(logits)
@@ -165,15 +169,17 @@ def top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 HEAD_SIZES = (1, 2, 4, 8, 16, 32)  # padded rows of an EAGLE head step
-MIN_SPAN = 256  # an EAGLE head's attention spans the first 256, 512, 1024, ... cache slots
+MIN_SPAN = 256  # a static pass with spans attends over the first 256, 512, 1024, ... slots
 
 
 def span_of(end: int, capacity: int) -> int:
-    """The attention span of a head step whose rows end before cache slot `end`: the
+    """The attention span of a static pass whose rows end before cache slot `end`: the
     smallest power of two >= end, at least MIN_SPAN, at most the cache. A head's drafts do
     not change the output, so their numerics may depend on the span; attending over the whole
-    cache made a step's attention most of its time (H100, a 2,304-slot cache: ~130 of ~280
-    us, the math kernel's matmuls over every slot)."""
+    cache made a head step's attention most of its time (H100, a 2,304-slot cache: ~130 of
+    ~280 us, the math kernel's matmuls over every slot). A target's passes take spans only
+    with `spans=True` (experimental): the same position computed at two spans may round
+    differently, and that is not yet checked on a GPU."""
     span = MIN_SPAN
     while span < end:
         span *= 2

@@ -180,11 +180,13 @@ class TorchRuntime:
     """Runtime over our Transformer: one sequence, a static KV cache of `capacity` slots."""
 
     def __init__(self, model: Transformer, capacity: int, prepack: bool | None = None,
-                 static: bool | None = None):
+                 static: bool | None = None, spans: bool = False):
         """`prepack`: reorder the weights for oneDNN (default: where it applies, CPU float32 and
         bfloat16); the model is changed in place. `static`: run decode-sized passes in static
         shapes (forerun.runtime.static), replayed as CUDA graphs on a GPU (default: on a GPU
-        only; True on the CPU runs them eagerly, for tests)."""
+        only; True on the CPU runs them eagerly, for tests). `spans` (experimental, off: not
+        yet timed on a GPU): static passes attend over a power-of-two span of the cache
+        instead of all of it (see forerun.runtime.static.span_of)."""
         cfg = model.cfg
         self.config, self.model = cfg, model
         param = model.embed.weight
@@ -206,10 +208,12 @@ class TorchRuntime:
         self._length = 0
         self.out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32  # logits
         self._static_on = self.device.type == "cuda" if static is None else static
+        self._spans = spans
         self._static = self._new_static()
 
     def _new_static(self) -> StaticPasses | None:
-        return StaticPasses(self, graphs=self.device.type == "cuda") if self._static_on else None
+        return (StaticPasses(self, graphs=self.device.type == "cuda", spans=self._spans)
+                if self._static_on else None)
 
     @property
     def length(self) -> int:
