@@ -41,7 +41,16 @@ from forerun.heads import Heads
 from forerun.propose.base import Draft
 from forerun.propose.ngram import LookupBranch
 from forerun.runtime.static import StaticHeadSteps
-from forerun.tree import Candidate, best_budget, candidates, graft, grow_tree, match_depth, prune
+from forerun.tree import (
+    Candidate,
+    TokenTree,
+    best_budget,
+    candidates,
+    graft,
+    grow_tree,
+    match_depth,
+    prune,
+)
 
 TREE_SLACK = 256  # EAGLE cache slots past the context for a draft tree's nodes
 AUTO_TREE = -1  # SpecConfig.tree: choose each step's node budget from the verify-cost curve
@@ -336,10 +345,7 @@ def next_depth(parents: list[int], grown: int) -> int:
     """The levels to grow on the device next time, after a cut that kept `parents` of a tree
     `grown` levels deep: the smallest power of two past its deepest node, twice `grown` where
     that node is at the bottom (the tree may have wanted more)."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    deepest = max(depth, default=0)
+    deepest = max(TokenTree(tuple(parents)).depth, default=0)
     if deepest >= grown:
         return 2 * grown
     n = 1

@@ -60,7 +60,7 @@ class _Recorded:
         key = B if span is None else (B, span)
         p = self._sized.get(key)
         if p is None:
-            p = self._sized[key] = self._make(*((B,) if span is None else (B, span)))
+            p = self._sized[key] = self._make(B, span)
         p.load(*inputs)
         _launch(p, self.graphs, self._pool)
         return p
@@ -215,7 +215,7 @@ class StaticHeadSteps(_Recorded):
 class _HeadStep:
     def __init__(self, owner: StaticHeadSteps, B: int, span: int):
         self.owner, self.B, self.span, self.graph = owner, B, span, None
-        heads, C = owner.heads, owner.capacity
+        heads, C = owner.heads, span  # the mask covers the span only: nothing attends past it
         dev, pin = heads.device, heads.device.type == "cuda"
         D, N = heads.cfg.dim, heads.vocab_ids.shape[0]
         self.host = torch.zeros(2 * B + 1, dtype=torch.long, pin_memory=pin)
@@ -255,7 +255,7 @@ class _HeadStep:
         cos, sin = heads.cos[self.positions], heads.sin[self.positions]
         S = self.span
         out = static_block(heads.layer, x, cos, sin, owner.k_cache[:, :S],
-                           owner.v_cache[:, :S], self.slot + self.offsets, self.mask[:, :S])
+                           owner.v_cache[:, :S], self.slot + self.offsets, self.mask)
         self.o.copy_(out)
         self.logprobs.copy_(heads.logits(out).log_softmax(-1))
 
@@ -292,18 +292,20 @@ class StaticEagleTree:
         self._shaped: dict = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
 
+    def _end(self, slot: int, depth: int, topk: int, beam: int) -> int:
+        """The cache slot past the last node the tree's levels take, from `slot`."""
+        levels = tree_shape(depth, topk, beam, self.heads.vocab_ids.shape[0])
+        return slot + sum(expanded for expanded, _ in levels[1:])
+
     def fits(self, slot: int, depth: int, topk: int, beam: int) -> bool:
-        N = self.heads.vocab_ids.shape[0]
-        return depth >= 1 and slot + sum(e for e, _ in tree_shape(depth, topk, beam, N)[1:]
-                                         ) <= self.capacity
+        return depth >= 1 and self._end(slot, depth, topk, beam) <= self.capacity
 
     def grow(self, root_o: torch.Tensor, root_lp: torch.Tensor, root_pos: int, slot: int,
              depth: int, topk: int, beam: int) -> tuple[list[float], list[int], list[int]]:
         """root_o [1, D] and root_lp [N] (device): the head's output and log-probabilities at
         the last committed entry, sequence position root_pos; nodes take cache slots slot..
         -> (path log-probabilities, tokens, parents) of every grown node, level by level."""
-        N = self.heads.vocab_ids.shape[0]
-        end = slot + sum(e for e, _ in tree_shape(depth, topk, beam, N)[1:])
+        end = self._end(slot, depth, topk, beam)
         key = (depth, topk, beam, span_of(end, self.capacity))
         g = self._shaped.get(key)
         if g is None:
