@@ -24,7 +24,7 @@ from forerun.runtime.base import Runtime
 from forerun.sampling import SamplingConfig, logits_to_probs
 from forerun.stopping import cut
 from forerun.tree import TokenTree
-from forerun.verify import recursive_rejection_sample, rejection_sample
+from forerun.verify import greedy_accept, recursive_rejection_sample, rejection_sample
 
 
 def speculative_decode(target: Runtime, proposer: Proposer, policy: LengthPolicy,
@@ -53,13 +53,13 @@ def speculative_decode(target: Runtime, proposer: Proposer, policy: LengthPolicy
         shape = {} if tree.is_chain else {"positions": tree.positions(base),
                                           "tree_mask": tree.mask()}
         output = target.forward(feed, hidden_layers=layers, **shape)
-        p = logits_to_probs(output.logits, sampling)  # [N+1, V]
-        if tree.is_chain:
-            verdict = rejection_sample(draft.tokens, p, draft.q, generator)
-            path = list(range(verdict.num_accepted))
+        if sampling.greedy:  # T = 0 of the samplers below, from the argmax alone
+            verdict = greedy_accept(tree, draft.tokens, output.logits.argmax(-1))  # [N+1]
         else:
-            verdict = recursive_rejection_sample(tree, draft.tokens, p, draft.q, generator)
-            path = verdict.path
+            p = logits_to_probs(output.logits, sampling)  # [N+1, V]
+            verdict = (rejection_sample(draft.tokens, p, draft.q, generator) if tree.is_chain
+                       else recursive_rejection_sample(tree, draft.tokens, p, draft.q, generator))
+        path = verdict.path
         # 4. Commit the accepted path, drop the rest (target and proposer caches).
         rows = [0, *(i + 1 for i in path)]  # the verify pass's rows now final
         if tree.is_chain:

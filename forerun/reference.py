@@ -12,7 +12,7 @@ import torch
 
 from forerun.metrics import Step
 from forerun.runtime.base import Runtime
-from forerun.sampling import SamplingConfig, logits_to_probs, sample
+from forerun.sampling import SamplingConfig, next_token
 from forerun.stopping import check_prompt, cut
 
 
@@ -24,7 +24,7 @@ def prefill(target: Runtime, prompt: list[int], sampling: SamplingConfig,
     check_prompt(prompt, target.capacity)
     target.truncate(0)
     out = target.forward(torch.tensor(prompt), last_only=True, hidden_layers=hidden_layers)
-    return int(sample(logits_to_probs(out.logits[-1], sampling), generator)), out.hidden
+    return next_token(out.logits[-1], sampling, generator), out.hidden
 
 
 def plain_decode(target: Runtime, prompt: list[int], sampling: SamplingConfig,
@@ -40,7 +40,7 @@ def plain_decode(target: Runtime, prompt: list[int], sampling: SamplingConfig,
         if finish:
             return
         logits = target.forward(torch.tensor([token])).logits  # [1, V]
-        token, is_prefill = int(sample(logits_to_probs(logits[-1], sampling), generator)), False
+        token, is_prefill = next_token(logits[-1], sampling, generator), False
 
 
 def plain_logits_at(target: Runtime, prompt: list[int], tokens: list[int], position: int

@@ -72,6 +72,14 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
+def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> int:
+    """One token from a row of logits [V]: `sample(logits_to_probs(...))`, and at temperature 0
+    the argmax (first index on ties) directly, as that one-hot row would draw."""
+    if cfg.greedy:
+        return int(logits.argmax(-1))
+    return int(sample(logits_to_probs(logits, cfg), generator))
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Draw one token per row: [..., V] -> [...] int64. Rows need not sum to exactly 1."""
     flat = probs.reshape(-1, probs.shape[-1])  # [R, V]

@@ -29,6 +29,11 @@ class Verdict:
     tokens: list[int]  # the accepted draft tokens, then the recovered or bonus token
     num_accepted: int  # 0..K
 
+    @property
+    def path(self) -> list[int]:
+        """The accepted nodes of the chain: 0 .. num_accepted - 1."""
+        return list(range(self.num_accepted))
+
 
 def rejection_sample(
     draft_tokens: torch.Tensor,  # [K] int64
@@ -106,3 +111,22 @@ def recursive_rejection_sample(
             return TreeVerdict([int(draft_tokens[i]) for i in path] + [last], path)
         path.append(accepted)
         row = accepted + 1
+
+
+def greedy_accept(tree: TokenTree, draft_tokens: torch.Tensor, best: torch.Tensor
+                  ) -> TreeVerdict:
+    """Temperature 0 without probabilities: `best` [N+1] is the target's argmax at each row
+    (first index on ties, as `logits_to_probs` picks). Walk from the root taking the child whose
+    token is its row's argmax. Exactly what the two samplers above return at T = 0, where p is
+    one-hot (a child is accepted iff it is the argmax; the recovered and bonus tokens are the
+    argmax), without building [N+1, V] one-hot rows and scanning them (tests check equality):
+    on Qwen's 151,936 ids that was ~1 ms a row here."""
+    best_ids, ids = best.tolist(), draft_tokens.tolist()
+    path: list[int] = []
+    row = 0
+    while True:
+        child = next((c for c in tree.children[row] if ids[c] == best_ids[row]), None)
+        if child is None:
+            return TreeVerdict([ids[i] for i in path] + [best_ids[row]], path)
+        path.append(child)
+        row = child + 1

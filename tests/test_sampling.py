@@ -101,3 +101,14 @@ def test_tiny_temperature_is_near_greedy_not_nan():
     probs = logits_to_probs(logits, SamplingConfig(temperature=1e-300))
     assert torch.isfinite(probs).all()
     assert probs.argmax() == 1 and abs(float(probs.sum()) - 1) < 1e-6
+
+
+def test_next_token_is_sample_of_logits_to_probs():
+    from forerun.sampling import next_token
+
+    logits = torch.tensor([1.0, 3.0, 3.0, -2.0])
+    assert next_token(logits, SamplingConfig(), make_generator(0)) == 1  # first on ties
+    cfg = SamplingConfig(temperature=0.8, top_k=3)
+    draws = [next_token(logits, cfg, make_generator(s)) for s in range(20)]
+    assert draws == [int(sample(logits_to_probs(logits, cfg), make_generator(s)))
+                     for s in range(20)]

@@ -64,3 +64,34 @@ def test_output_distribution_is_target_distribution():
     for _ in range(trials):
         counts[rejection_sample(torch.tensor([2]), p[:2], None, g).tokens[0]] += 1
     assert chisquare(counts, p[0] * trials).pvalue > alpha
+
+
+def test_greedy_accept_is_the_samplers_at_temperature_zero():
+    """greedy_accept (argmax only) returns what rejection_sample and recursive_rejection_sample
+    return on one-hot p, on random trees and chains with ties in the logits and drafts that
+    follow the argmax for a while."""
+    from forerun.sampling import SamplingConfig, logits_to_probs
+    from forerun.tree import TokenTree
+    from forerun.verify import greedy_accept, recursive_rejection_sample
+
+    rng = torch.Generator().manual_seed(3)
+    greedy = SamplingConfig()
+    for trial in range(300):
+        n = int(torch.randint(0, 9, (), generator=rng))
+        chain = trial % 2 == 0
+        parents = list(range(-1, n - 1)) if chain else [
+            int(torch.randint(-1, i, (), generator=rng)) for i in range(n)]
+        tree = TokenTree.of(None if chain else parents, n)
+        logits = torch.randint(0, 4, (n + 1, 6), generator=rng).float()  # ties are common
+        best = logits.argmax(-1)
+        # each node's token: its parent's row's argmax half the time, else any token
+        tokens = torch.tensor([int(best[p + 1]) if torch.rand((), generator=rng) < 0.5
+                               else int(torch.randint(0, 6, (), generator=rng))
+                               for p in parents], dtype=torch.long)
+        p = logits_to_probs(logits, greedy)
+        fast = greedy_accept(tree, tokens, best)
+        if chain:
+            slow = rejection_sample(tokens, p, None, G)
+        else:
+            slow = recursive_rejection_sample(tree, tokens, p, None, G)
+        assert (fast.tokens, fast.path) == (slow.tokens, slow.path), (parents, tokens, logits)

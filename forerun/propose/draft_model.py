@@ -34,12 +34,16 @@ class DraftModelProposer:
         drafted, q = [], []
         for _ in range(k):
             logits = self.runtime.forward(missing, last_only=True).logits[-1]  # [V_draft]
-            probs = logits_to_probs(self._to_target_vocab(logits), sampling)  # [V]
-            token = sample(probs, generator)
+            logits = self._to_target_vocab(logits)  # [V]
+            if sampling.greedy:  # its one-hot row's token; q = None says just that
+                token = logits.argmax(-1)
+            else:
+                probs = logits_to_probs(logits, sampling)  # [V]
+                token = sample(probs, generator)
+                q.append(probs)
             drafted.append(token)
-            q.append(probs)
             missing = token.view(1)
-        return Draft(torch.stack(drafted), torch.stack(q))  # [K], [K, V]
+        return Draft(torch.stack(drafted), torch.stack(q) if q else None)  # [K], [K, V]
 
     def commit(self, num_final: int) -> None:
         self.runtime.truncate(min(self.runtime.length, num_final))
