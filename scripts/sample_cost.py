@@ -1,6 +1,8 @@
 """Plain decoding with `sample()` against torch.multinomial: A/B rounds in one process,
 interleaved, per-token wall time. The old path drew every token with multinomial; `sample()`
 takes a one-hot row's token directly (greedy) and draws other rows by inverse CDF (--temperature).
+Since `next_token` and `greedy_accept`, greedy decoding takes the argmax without either, so
+only --temperature > 0 still compares the two.
 
     python scripts/sample_cost.py --runtime llama.cpp --question 374 --rounds 9
     python scripts/sample_cost.py --runtime llama.cpp --question 374 --rounds 9 --temperature 0.7
@@ -16,7 +18,7 @@ from importlib.resources import files
 
 import torch
 
-import forerun.reference
+import forerun.sampling
 import forerun.verify
 from forerun.api import Engine, LoadConfig
 from forerun.propose import SpecConfig
@@ -45,7 +47,7 @@ def main() -> None:
     ms: dict[str, list[float]] = {name: [] for name in arms}
     for r in range(args.rounds):
         for name in sorted(arms, reverse=bool(r % 2)):
-            forerun.reference.sample = forerun.verify.sample = arms[name]
+            forerun.sampling.sample = forerun.verify.sample = arms[name]
             start = time.perf_counter()
             sampling = SamplingConfig(temperature=args.temperature, seed=r)
             out = engine.generate(prompt, max_tokens=args.max_tokens, sampling=sampling)

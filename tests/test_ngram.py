@@ -31,3 +31,20 @@ def test_no_match_proposes_nothing():
 def test_proposer_returns_deterministic_draft():
     d = NgramProposer(1, 3).propose([4, 5, 6, 4, 5], 2, SamplingConfig(), make_generator(0))
     assert d.tokens.tolist() == [6, 4] and d.q is None
+
+
+def test_suffix_index_answers_find_match_step_after_step():
+    """SuffixIndex, fed a sequence growing by 1-5 tokens a step (and once a different one),
+    gives find_match's continuation and suffix length at every step."""
+    from forerun.propose.ngram import SuffixIndex, find_match
+
+    rng = np.random.default_rng(0)
+    for min_n, max_n, vocab in ((1, 4, 6), (2, 3, 4), (1, 8, 3)):
+        index = SuffixIndex(min_n, max_n)
+        for _ in range(2):  # the second sequence is not an extension of the first
+            tokens = rng.integers(0, vocab, 3).tolist()
+            while len(tokens) < 120:
+                k = int(rng.integers(0, 9))
+                found, n = find_match(np.asarray(tokens), k, min_n, max_n)
+                assert index.match(tokens, k) == (found.tolist(), n), tokens
+                tokens = tokens + rng.integers(0, vocab, int(rng.integers(1, 6))).tolist()
