@@ -251,7 +251,7 @@ def test_generate_compare_locates_a_broken_verifier_s_divergence(pair, monkeypat
     """`generate --compare` on greedy output that parts from plain says where and with what
     margin; a verifier that accepts every draft token parts at a token plain was sure of."""
     import forerun.engine
-    from forerun.verify import Verdict
+    from forerun.verify import TreeVerdict
 
     args = ["generate", "--target", str(pair[0]), "--method", "ngram", "-k", "4", "--dtype",
             "float64", "--max-tokens", "24", "--compare", "--json", "abc abc abc abc"]
@@ -259,10 +259,11 @@ def test_generate_compare_locates_a_broken_verifier_s_divergence(pair, monkeypat
     fine = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert fine["identical"] and "divergence" not in fine
 
-    def accept_everything(draft_tokens, p, q, generator):
-        return Verdict([*draft_tokens.tolist(), int(p[-1].argmax())], draft_tokens.shape[0])
+    def accept_everything(tree, draft_tokens, best):  # greedy verifies from the argmax alone
+        n = draft_tokens.shape[0]
+        return TreeVerdict([*draft_tokens.tolist(), int(best[-1])], list(range(n)))
 
-    monkeypatch.setattr(forerun.engine, "rejection_sample", accept_everything)
+    monkeypatch.setattr(forerun.engine, "greedy_accept", accept_everything)
     assert cli.main(args) == 0
     broken = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     d = broken["divergence"]
