@@ -741,6 +741,30 @@ def test_eagle_proposers_of_one_sequence_reuse_its_cache():
 
 
 @pytest.mark.parametrize("static", [False, True])
+def test_eagle_restarts_its_cache_at_a_window_after_a_rest(static):
+    """A curve that wants no draft makes the head rest; the probe after a rest longer than the
+    window takes in the window's features only (its cache restarts there). When the curve
+    turns flat the head drafts from that cache, and greedy output equals plain decoding."""
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    target = tiny_runtime(0)
+    steep = [True]
+    proposer = HeadProposer(random_heads("eagle", target), target.capacity, AUTO_TREE, 2,
+                            verify=lambda n: float(n) if steep[0] else 1.0, static=static,
+                            prompt_window=4)
+    got, drafted = [], 0
+    for step in speculative_decode(target, proposer, FixedK(3), prompt, GREEDY, 48, (),
+                                   make_generator(0)):
+        got += step.tokens
+        drafted += step.drafted
+        if steep[0] and proposer.first > len(prompt):  # restarted after a rest
+            assert proposer.committed == 4 and drafted == 0
+            steep[0] = False
+    assert not steep[0] and drafted > 0
+    assert got == [t for s in plain_decode(tiny_runtime(0), prompt, GREEDY, 48, (),
+                                           make_generator(0)) for t in s.tokens]
+
+
+@pytest.mark.parametrize("static", [False, True])
 def test_eagle_takes_in_a_window_of_the_prompt(static):
     """With a prompt longer than its window, EAGLE takes in the last `prompt_window` prompt
     features only (its cache starts there); greedy output still equals plain decoding."""

@@ -22,7 +22,8 @@ With tree = AUTO_TREE the node budget is chosen per step from the target's verif
 the most expected tokens per second, the head's path confidences scaled by how well they have
 predicted acceptance so far in this sequence, and the head's own measured seconds a step added
 to a drafting step's cost; where it keeps choosing no draft, the head rests for a growing
-number of steps between probes (plain decoding, without the head's cost).
+number of steps between probes (plain decoding, without the head's cost); after a long rest
+EAGLE restarts its cache at the last REST_WINDOW features.
 With a `lookup` branch (heads + prompt lookup) the prompt-lookup continuation joins the tree as
 one more path from the root (sharing the nodes it agrees with), priced by its own measured
 acceptance; the automatic budget then cuts heads' and lookup's nodes by one ranking, and while
@@ -78,6 +79,11 @@ MIN_IDLE, MAX_IDLE = 4, 64
 # the head was trained on shorter windows). Zen 3, llama.cpp, 28.5k head, 4 EditEval + 2 rag +
 # 2 mt_bench prompts: the same accepted lengths with windows of 32, 64, 256 and every row
 PROMPT_WINDOW = 64
+# After a rest, EAGLE takes in only the last this many of the features that waited (its cache
+# restarts there, as at a prompt's window): the catch-up costs a layer row per waiting feature
+# (EPYC, llama.cpp, a 28k head resting on a writing prompt: ~0.45 ms a generated token, the
+# floor's largest host cost), and windows of 32 drafted as well as every row (above).
+REST_WINDOW = 32
 # target runtime -> (heads, (capacity, static?), (k cache, v cache, static steps)) of its last
 # EAGLE proposer
 _EAGLE_CACHES: WeakKeyDictionary = WeakKeyDictionary()
@@ -154,6 +160,7 @@ class HeadProposer:
         self._pending: tuple[int, list[int], list[int], float] | None = None
         self._take, self._predicted = 0, 0.0
         self.idle, self.skip = MIN_IDLE, 0
+        self.rested = False  # eagle: the features waiting are a rest's (see REST_WINDOW)
         self.head_seconds = 0.0  # running seconds the head spends a drafting step
         self.device_depth = DEVICE_DEPTH  # levels an automatic budget's device tree grows
         if self.lookup is not None:
@@ -229,6 +236,7 @@ class HeadProposer:
         if self.tree == AUTO_TREE:  # nothing worth verifying: rest, and rest longer next time
             self.skip, self.idle = (self.idle, min(2 * self.idle, MAX_IDLE)) if not ids else (
                 0, MIN_IDLE)
+            self.rested = self.skip > 0
             if ids:
                 self._pending = (len(tokens), draft, parents, self._predicted)
         if self._take:
@@ -298,6 +306,11 @@ class HeadProposer:
         if first + start + n != len(tokens) - 1:  # a runtime that returned too few rows
             raise RuntimeError(f"the EAGLE head holds features of {first + start + n} tokens, "
                                f"the target's cache {len(tokens) - 1}")
+        window = min(REST_WINDOW, self.prompt_window)
+        if self.rested and n > window:  # after a long rest: restart the cache at its window
+            features, n, start = features[-window:], window, 0
+            self.first = first = len(tokens) - 1 - window
+        self.rested = False
         positions = torch.arange(start, start + n)
         nexts = torch.tensor(tokens[first + start + 1:first + start + 1 + n])  # [n]
         o, logprobs = self._step(features, nexts, positions, start,
