@@ -34,9 +34,11 @@ def speculative_decode(target: Runtime, proposer: Proposer, policy: LengthPolicy
     # 1. Prefill: target and proposer see the prompt; the target samples the first token.
     proposer.prefill(prompt)
     wanted = layers if getattr(proposer, "prompt_features", True) else ()
-    first, hidden = prefill(target, prompt, sampling, generator, wanted)
+    # the prompt rows whose features it reads (an EAGLE window; Medusa's last row)
+    first, hidden = prefill(target, prompt, sampling, generator, wanted,
+                            getattr(proposer, "hidden_from", 0) if wanted else 0)
     if wanted:
-        proposer.feed(hidden)  # features of every cached token: the whole prompt
+        proposer.feed(hidden)  # features of the cached prompt tokens it reads
     tokens = [*prompt, first]
     out, finish = cut(tokens[-1:], stop_ids, max_new_tokens, target.capacity - len(prompt))
     emitted = len(out)

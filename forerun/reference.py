@@ -17,13 +17,15 @@ from forerun.stopping import check_prompt, cut
 
 
 def prefill(target: Runtime, prompt: list[int], sampling: SamplingConfig,
-            generator: torch.Generator, hidden_layers: tuple[int, ...] = ()
-            ) -> tuple[int, dict[int, torch.Tensor]]:
+            generator: torch.Generator, hidden_layers: tuple[int, ...] = (),
+            hidden_from: int = 0) -> tuple[int, dict[int, torch.Tensor]]:
     """Fill the target's cache with the prompt and sample the first new token; also return
-    the hidden states `hidden_layers` of every prompt token (layer -> [P, D])."""
+    the hidden states `hidden_layers` of the prompt's tokens from `hidden_from` on (layer ->
+    [P - hidden_from, D])."""
     check_prompt(prompt, target.capacity)
     target.truncate(0)
-    out = target.forward(torch.tensor(prompt), last_only=True, hidden_layers=hidden_layers)
+    out = target.forward(torch.tensor(prompt), last_only=True, hidden_layers=hidden_layers,
+                         hidden_from=hidden_from)
     return next_token(out.logits[-1], sampling, generator), out.hidden
 
 

@@ -774,7 +774,7 @@ def test_eagle_takes_in_a_window_of_the_prompt(static):
                             static=static, prompt_window=4)
     steps = list(speculative_decode(target, proposer, FixedK(4), prompt, GREEDY, 24, (),
                                     make_generator(0)))
-    assert proposer.first == len(prompt) - 4
+    assert proposer.first == proposer.hidden_from == len(prompt) - 4  # the rows it read
     assert [t for s in steps for t in s.tokens] == [
         t for s in plain_decode(tiny_runtime(0), prompt, GREEDY, 24, (), make_generator(0))
         for t in s.tokens]

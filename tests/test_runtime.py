@@ -33,6 +33,10 @@ def test_last_only_and_hidden_states():
     out = rt.forward(torch.tensor([1, 2, 3]), last_only=True, hidden_layers=(0, -1))
     assert out.logits.shape == (1, 64)
     assert out.hidden[0].shape == out.hidden[-1].shape == (3, 32)  # every row, even last_only
+    rt.truncate(0)
+    tail = rt.forward(torch.tensor([1, 2, 3]), last_only=True, hidden_layers=(0, -1),
+                      hidden_from=2)  # the last row's only
+    assert all(torch.equal(tail.hidden[i], out.hidden[i][2:]) for i in (0, -1))
 
 
 def test_tree_mask_with_explicit_positions():

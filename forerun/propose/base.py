@@ -86,10 +86,14 @@ class FeatureProposer(Proposer, Protocol):
     # whether it reads the prompt's features after prefill; False where a hidden row costs an
     # LM-head row (llama.cpp): the prefill is then plain's, and drafting starts a step later
     prompt_features: bool
+    # after prefill(prompt): the first prompt row whose features it reads (optional; 0 = all);
+    # the engine asks the target for those rows only
+    hidden_from: int
 
     def feed(self, hidden: dict[int, torch.Tensor]) -> None:
         """The target's features (layer -> [n, D]) of the n tokens that just entered its cache:
-        the prompt after prefill (if `prompt_features`), the pending token and the accepted
+        the prompt after prefill (if `prompt_features`; its rows from `hidden_from` on, or all
+        of them, of which it keeps those), the pending token and the accepted
         path after each verify. Invariant: the proposer has been fed every token of the
         sequence but the last (the prompt's only if `prompt_features`)."""
         ...

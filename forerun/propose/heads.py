@@ -152,7 +152,9 @@ class HeadProposer:
         # features alone the first feed passes on)
         self.first = (max(0, len(prompt) - self.prompt_window) if self.prompt_features
                       else len(prompt))
-        self._drop = self.first if self.prompt_features else 0  # prompt rows not taken in
+        # the prompt rows it reads: EAGLE's window, Medusa's and Hydra's last row
+        self.hidden_from = self.first if self.eagle else max(0, len(prompt) - 1)
+        self._prompt_rows = len(prompt) - self.hidden_from if self.prompt_features else 0
         # automatic budget: the confidence scale's discounted evidence, the last head draft's
         # (len(tokens), target ids, parents, predicted accepted), the lookup nodes it took,
         # steps left resting and the next rest's length
@@ -168,8 +170,9 @@ class HeadProposer:
 
     def feed(self, hidden: dict[int, torch.Tensor]) -> None:
         if self.eagle:
-            if self._drop:  # the prompt's features: only the window's rows
-                hidden, self._drop = {i: h[self._drop:] for i, h in hidden.items()}, 0
+            if self._prompt_rows:  # the prompt's features: only the window's rows
+                hidden = {i: h[-self._prompt_rows:] for i, h in hidden.items()}
+                self._prompt_rows = 0
             self.waiting.append(self.heads.feature(hidden))  # [n, D]
         else:
             self.last = hidden[-1][-1:].to(self.device).float()  # [1, D]

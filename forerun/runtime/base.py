@@ -68,6 +68,7 @@ class Runtime(Protocol):
         tree_mask: torch.Tensor | None = None,  # [T, T] bool among the new tokens; default causal
         last_only: bool = False,  # logits for the last token only (prefill)
         hidden_layers: tuple[int, ...] = (),  # layer outputs to return; -1 = final normed
+        hidden_from: int = 0,  # ... of rows hidden_from.. only ([T - hidden_from, D])
     ) -> ForwardOutput: ...
 
     def truncate(self, length: int) -> None:

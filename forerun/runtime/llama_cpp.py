@@ -427,7 +427,7 @@ class LlamaCppRuntime:
         self._tree = None
 
     def forward(self, tokens, *, positions=None, tree_mask=None, last_only=False,
-                hidden_layers=()) -> ForwardOutput:
+                hidden_layers=(), hidden_from=0) -> ForwardOutput:
         start, T = self._length, tokens.shape[0]
         if start + T > self._capacity:
             raise ValueError(f"context full: {start} + {T} tokens > capacity {self._capacity}")
@@ -449,20 +449,23 @@ class LlamaCppRuntime:
         if T and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         logits, hidden = [], []
-        self._hidden_mode(want_hidden, all_rows, True)
         try:
             for seq in range(SEQ + 1, SEQ + tree.leaves) if tree else ():
                 C.llama_memory_seq_cp(self._memory, SEQ, seq, -1, -1)  # the committed cache
             for begin in range(0, T, self.batch_size):
                 end = min(T, begin + self.batch_size)
+                # a chunk wholly before hidden_from computes no hidden rows (with the patch,
+                # the last layer's FFN over every row of it); the chunks stay plain's
+                wants = want_hidden and end > hidden_from
+                self._hidden_mode(want_hidden, all_rows, wants)
                 keep = (1 if end == T else 0) if last_only else end - begin
-                rows = end - begin if want_hidden and not all_rows else keep
+                rows = end - begin if wants and not all_rows else keep
                 self._decode(ids[begin:end], start + begin, rows, tree)
                 if keep:
                     logits.append(self._read(C.llama_get_logits, rows, self.vocab_size, keep))
-                if all_rows:
+                if wants and all_rows:
                     hidden.append(self._read(all_rows[1], end - begin, self.dim, end - begin))
-                elif want_hidden:  # every row, even under last_only (a head's prefill needs them)
+                elif wants:  # every row, even under last_only (a head's prefill needs them)
                     hidden.append(self._read(C.llama_get_embeddings, rows, self.dim, rows))
         except BaseException:
             if tree:
@@ -475,8 +478,9 @@ class LlamaCppRuntime:
         if T == 0:
             logits, hidden = [torch.empty(0, self.vocab_size)], [torch.empty(0, self.dim)]
         out = ForwardOutput(torch.cat(logits))  # [T, V] ([1, V] if last_only)
-        if want_hidden:
-            out.hidden[FINAL_NORMED] = torch.cat(hidden)  # [T, D], every row
+        if want_hidden:  # [T - hidden_from, D]: the chunks' rows from hidden_from on
+            rows = torch.cat(hidden) if hidden else torch.empty(0, self.dim)
+            out.hidden[FINAL_NORMED] = rows[rows.shape[0] - max(0, T - hidden_from):]
         return out
 
     def _hidden_mode(self, want_hidden: bool, all_rows: tuple | None, on: bool) -> None:

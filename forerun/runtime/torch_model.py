@@ -266,14 +266,14 @@ class TorchRuntime:
 
     @torch.inference_mode()
     def forward(self, tokens, *, positions=None, tree_mask=None, last_only=False,
-                hidden_layers=()) -> ForwardOutput:
+                hidden_layers=(), hidden_from=0) -> ForwardOutput:
         start, T = self._length, tokens.shape[0]
         if start + T > self._capacity:
             raise ValueError(f"context full: {start} + {T} tokens > capacity {self._capacity}")
         if self._static is not None and self._static.fits(start, T, hidden_layers):
             logits, h = self._static.forward(tokens, positions, tree_mask, start)
             self._length = start + T
-            hidden = {-1: h} if -1 in hidden_layers else {}  # every row, as below
+            hidden = {-1: h[hidden_from:]} if -1 in hidden_layers else {}  # as below
             return ForwardOutput((logits[-1:] if last_only else logits).cpu(), hidden)
         tokens = tokens.to(self.device)
         if positions is None:
@@ -293,7 +293,7 @@ class TorchRuntime:
             _, logits = self.head(x[-1:] if last_only else x)
         self._length = start + T
         # Sampling and verification run on the CPU with a CPU generator: [T, V] is a small copy.
-        return ForwardOutput(logits.cpu(), hidden)
+        return ForwardOutput(logits.cpu(), {i: h[hidden_from:] for i, h in hidden.items()})
 
     def head(self, x: torch.Tensor, last_only: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:
