@@ -9,12 +9,20 @@ Invariants: measurement leaves the runtime empty (length 0), so callers must mea
 generation, never inside one. `calibrated_curve` measures each runtime object once, at its first
 use, and caches the curve for as long as the runtime lives; that first use pays a few dozen
 forward passes (CALIBRATION_REPS + CALIBRATION_WARMUP per size), which the CLI's --compare and
-`forerun bench` spend in their untimed warm-up runs.
+`forerun bench` spend in their untimed warm-up runs. A runtime with a `calibration_key()` (the
+llama.cpp one: model file, build, threads, machine) also finds and keeps its curve on disk,
+`$FORERUN_HOME/curves/`, for CURVE_MAX_AGE_S: a new process skips those passes (~13 s for the
+default target on 2 cores). FORERUN_CURVE_CACHE=0 turns that off. A stale curve prices drafts
+a little wrong; it never changes what is generated.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import statistics
+import time
 from bisect import bisect_right
 from dataclasses import dataclass
 from time import perf_counter
@@ -31,6 +39,7 @@ CALIBRATION_CONTEXT = 200  # cached tokens in front of the timed ones, as in a s
 CALIBRATION_REPS = 5
 CALIBRATION_WARMUP = 1  # untimed forwards per size first (allocator, kernel selection)
 DENSE_SIZES = 4  # calibrate every size up to this, then doubling sizes and the largest one
+CURVE_MAX_AGE_S = 24 * 3600  # a curve cached on disk is measured again after this
 
 
 @dataclass(frozen=True)
@@ -130,8 +139,54 @@ def calibrated_curve(runtime: Runtime, max_tokens: int) -> ForwardCurve:
     max_tokens = min(max_tokens, runtime.capacity)
     curve = _curves.get(runtime)
     if curve is None or curve.sizes[-1] < max_tokens:
-        curve = measure_forward_curve(runtime, calibration_sizes(max_tokens),
-                                      reps=CALIBRATION_REPS, warmup=CALIBRATION_WARMUP,
-                                      statistic=min)
+        key = _disk_key(runtime)
+        curve = _load_curve(key, max_tokens) if key else None
+        if curve is None:
+            curve = measure_forward_curve(runtime, calibration_sizes(max_tokens),
+                                          reps=CALIBRATION_REPS, warmup=CALIBRATION_WARMUP,
+                                          statistic=min)
+            if key:
+                _save_curve(key, curve)
         _curves[runtime] = curve
     return curve
+
+
+def _disk_key(runtime: Runtime) -> dict | None:
+    """The runtime's key for the disk cache, or None (no key, or FORERUN_CURVE_CACHE=0)."""
+    keyed = getattr(runtime, "calibration_key", None)
+    if keyed is None or os.environ.get("FORERUN_CURVE_CACHE", "1") == "0":
+        return None
+    from forerun import __version__
+
+    return {**keyed(), "forerun": __version__, "reps": CALIBRATION_REPS,
+            "context": CALIBRATION_CONTEXT}
+
+
+def _curve_file(key: dict):
+    from forerun.models.catalog import forerun_home
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return forerun_home() / "curves" / f"{digest}.json"
+
+
+def _load_curve(key: dict, max_tokens: int) -> ForwardCurve | None:
+    """The curve cached under `key`, if it reaches max_tokens and is young enough."""
+    try:
+        saved = json.loads(_curve_file(key).read_text())
+        curve = ForwardCurve(tuple(saved["sizes"]), tuple(saved["seconds"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    fresh = 0 <= time.time() - saved.get("measured", 0) < CURVE_MAX_AGE_S
+    return curve if saved.get("key") == key and fresh and curve.sizes[-1] >= max_tokens else None
+
+
+def _save_curve(key: dict, curve: ForwardCurve) -> None:
+    """Keep the curve on disk (atomically: a concurrent reader sees the old file or this)."""
+    path = _curve_file(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, **curve.to_dict(), "measured": time.time()}))
+        tmp.replace(path)
+    except OSError:  # a read-only home: measure each time, as before
+        pass

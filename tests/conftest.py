@@ -65,3 +65,10 @@ def heads_for(method: str, rt: TorchRuntime):
     from forerun.heads import KINDS
 
     return random_heads(method, rt) if method in KINDS else None
+
+
+@pytest.fixture(autouse=True)
+def _no_curve_cache_on_disk(monkeypatch):
+    """Tests measure forward curves afresh and leave nothing in the user's model cache
+    (test_llama_cpp's own test turns the disk cache on, in a temporary FORERUN_HOME)."""
+    monkeypatch.setenv("FORERUN_CURVE_CACHE", "0")

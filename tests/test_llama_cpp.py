@@ -3,6 +3,7 @@ rollback reproduces logits, limits hold, bad input fails clearly, and greedy spe
 on it equals plain greedy decoding on it up to documented near-ties."""
 
 import gc
+import json
 import sys
 
 import pytest
@@ -226,3 +227,44 @@ def test_engine_loads_llama_cpp_by_name():
     assert isinstance(engine.target, LlamaCppRuntime) and isinstance(engine.draft, LlamaCppRuntime)
     out = engine.generate(PROMPT, max_tokens=8)
     assert len(out.token_ids) == 8 and out.stats.accepted > 0
+
+
+def test_forward_curve_is_cached_on_disk_per_file_build_and_machine(runtime, tmp_path,
+                                                                   monkeypatch):
+    """A llama.cpp runtime's calibrated curve outlives the process: a new runtime on the same
+    file finds it in $FORERUN_HOME/curves without measuring; a changed file, an expired or a
+    too-short curve, and FORERUN_CURVE_CACHE=0 measure again."""
+    import os
+    import time
+
+    import forerun.profile as profile
+
+    monkeypatch.setenv("FORERUN_HOME", str(tmp_path))
+    monkeypatch.setenv("FORERUN_CURVE_CACHE", "1")
+    measured = []
+    real_measure = profile.measure_forward_curve
+    monkeypatch.setattr(profile, "measure_forward_curve",
+                        lambda rt, sizes, **kw: measured.append(sizes) or real_measure(
+                            rt, sizes, reps=1, warmup=0))
+
+    first = profile.calibrated_curve(runtime.fork(), 2)
+    assert len(measured) == 1 and len(list((tmp_path / "curves").glob("*.json"))) == 1
+    assert profile.calibrated_curve(runtime.fork(), 2) == first  # another runtime: from disk
+    assert len(measured) == 1
+    profile.calibrated_curve(runtime.fork(), 3)  # longer than the cached one
+    assert len(measured) == 2
+    [cached] = (tmp_path / "curves").glob("*.json")
+    saved = json.loads(cached.read_text())
+    cached.write_text(json.dumps({**saved, "measured": time.time() - profile.CURVE_MAX_AGE_S}))
+    profile.calibrated_curve(runtime.fork(), 2)  # expired
+    assert len(measured) == 3
+    stat = runtime._path.stat()
+    os.utime(runtime._path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    try:
+        profile.calibrated_curve(runtime.fork(), 2)  # the file changed: another key
+        assert len(measured) == 4
+    finally:
+        os.utime(runtime._path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    monkeypatch.setenv("FORERUN_CURVE_CACHE", "0")
+    profile.calibrated_curve(runtime.fork(), 2)
+    assert len(measured) == 5 and len(list((tmp_path / "curves").glob("*.json"))) == 2

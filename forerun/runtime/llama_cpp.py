@@ -105,6 +105,20 @@ def _init_backend() -> None:
         _backend_ready = True
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def physical_cores() -> int:
     """Physical cores among the CPUs this process may run on: llama.cpp's matmuls gain nothing
     from a core's second hardware thread and lose from oversubscription."""
@@ -209,6 +223,7 @@ class LlamaCppRuntime:
         self._capacity = min(capacity, config.context_length)
         self.batch_size = batch
         self._threads = n_threads or physical_cores()
+        self._path, self._gpu = Path(path), gpu
         _errors.clear()
         self._weights = _Weights(path, gpu)
         self._model = self._weights.model
@@ -220,6 +235,18 @@ class LlamaCppRuntime:
         self._all_rows = _hidden_all_rows(self._model)
         self.hidden_rows_cost_logits = self._all_rows is None
         self._open_context()
+
+    def calibration_key(self) -> dict:
+        """What a measured forward-time curve depends on (`forerun.profile` caches curves on
+        disk under it): this file, build, thread count, batch, context and machine."""
+        import llama_cpp
+
+        stat = self._path.stat()
+        return {"runtime": "llama.cpp", "model": str(self._path.resolve()),
+                "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                "llama_cpp": llama_cpp.__version__, "patched": not self.hidden_rows_cost_logits,
+                "threads": self._threads, "batch": self.batch_size, "gpu": self._gpu,
+                "capacity": self._capacity, "cpu": _cpu_name()}
 
     def _open_context(self) -> None:
         """A llama.cpp context (the KV cache: sequence SEQ, and a tree pass's others) and its
