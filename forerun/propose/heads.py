@@ -77,8 +77,9 @@ MIN_IDLE, MAX_IDLE = 4, 64
 # EAGLE's catch-up over a prompt's features runs its layer over every row (Zen 3, w8a8: 0.3 s
 # for a 741-token prompt, profiled); it takes in the prompt's last this many tokens (fewer if
 # the head was trained on shorter windows). Zen 3, llama.cpp, 28.5k head, 4 EditEval + 2 rag +
-# 2 mt_bench prompts: the same accepted lengths with windows of 32, 64, 256 and every row
-PROMPT_WINDOW = 64
+# 2 mt_bench prompts: the same accepted lengths with windows of 32, 64, 256 and every row; 32
+# it is (EPYC, int8: the layer costs 1.8 ms + 0.33 ms a row, paid on a reply's first step)
+PROMPT_WINDOW = 32
 # After a rest, EAGLE takes in only the last this many of the features that waited (its cache
 # restarts there, as at a prompt's window): the catch-up costs a layer row per waiting feature
 # (EPYC, llama.cpp, a 28k head resting on a writing prompt: ~0.45 ms a generated token, the
