@@ -34,8 +34,9 @@ Differences from TorchRuntime, all explicit errors rather than silent fallbacks:
   the default target here). forerun's llama.cpp patch (patches/*-hidden.patch) adds every
   row's state without logits to the dense qwen2 and llama graphs (~1/n_layer more prefill: the
   last layer's FFN over all rows): a `last_only` forward that wants hidden states (a head's
-  prefill) takes it, and its logits are plain's to the bit; elsewhere
-  `hidden_rows_cost_logits` tells heads to skip the prompt's;
+  prefill) takes it, and its logits are plain's to the bit (with `hidden_from`, batch chunks
+  wholly before that row compute no states); elsewhere `hidden_rows_cost_logits` tells heads
+  to skip the prompt's;
 - a tree pass puts each row at start + its depth (positions are checked, not free); it keeps
   one branch at a time (`keep` of a root-to-node path; `truncate` into a tree pass only where its
   first rows form one); and has at most MAX_TREE_LEAVES leaves (ValueError above);
