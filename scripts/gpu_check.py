@@ -300,7 +300,7 @@ def propose_ms(proposer, target: TorchRuntime, prompt: list[int], k: int, reps: 
     target.truncate(0)
     hidden = target.forward(torch.tensor(prompt[:-1]), last_only=True,
                             hidden_layers=proposer.hidden_layers).hidden  # [P-1, D] a layer
-    proposer.prefill(prompt)
+    proposer.prefill(prompt[:-1])  # the cached prompt; prompt[-1] is the pending token
     proposer.feed(hidden)
     proposer.propose(prompt, k, greedy, gen)  # takes the prompt's features in
     times = []

@@ -66,7 +66,7 @@ def main() -> None:
         target.truncate(0)
         base_hidden = target.forward(torch.tensor(tokens[:-1]), last_only=True,
                                      hidden_layers=proposer.hidden_layers).hidden  # [P-1, D]
-        proposer.prefill(tokens)
+        proposer.prefill(tokens[:-1])  # the cached prompt; tokens[-1] is the pending token
         proposer.feed(base_hidden)
         proposer.propose(tokens, args.k, greedy, make_generator(0))  # fills the eagle cache
 
