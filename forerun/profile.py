@@ -25,6 +25,7 @@ import statistics
 import time
 from bisect import bisect_right
 from dataclasses import dataclass
+from pathlib import Path
 from time import perf_counter
 from weakref import WeakKeyDictionary
 
@@ -162,7 +163,7 @@ def _disk_key(runtime: Runtime) -> dict | None:
             "context": CALIBRATION_CONTEXT}
 
 
-def _curve_file(key: dict):
+def _curve_file(key: dict) -> Path:
     from forerun.models.catalog import forerun_home
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
