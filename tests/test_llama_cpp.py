@@ -233,7 +233,7 @@ def test_forward_curve_is_cached_on_disk_per_file_build_and_machine(runtime, tmp
                                                                    monkeypatch):
     """A llama.cpp runtime's calibrated curve outlives the process: a new runtime on the same
     file finds it in $FORERUN_HOME/curves without measuring; a changed file, an expired or a
-    too-short curve, and FORERUN_CURVE_CACHE=0 measure again."""
+    too-short curve, a rebuilt llama.cpp and FORERUN_CURVE_CACHE=0 measure again."""
     import os
     import time
 
@@ -265,6 +265,29 @@ def test_forward_curve_is_cached_on_disk_per_file_build_and_machine(runtime, tmp
         assert len(measured) == 4
     finally:
         os.utime(runtime._path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    import forerun.runtime.llama_cpp as llama_cpp_runtime
+
+    stamp = llama_cpp_runtime._library_stamp()
+    assert stamp  # the libraries of the llama-cpp-python in use
+    monkeypatch.setattr(llama_cpp_runtime, "_library_stamp", lambda: [*stamp, ["new.so", 1, 2]])
+    profile.calibrated_curve(runtime.fork(), 2)  # llama.cpp rebuilt: another key
+    assert len(measured) == 5
     monkeypatch.setenv("FORERUN_CURVE_CACHE", "0")
     profile.calibrated_curve(runtime.fork(), 2)
-    assert len(measured) == 5 and len(list((tmp_path / "curves").glob("*.json"))) == 2
+    assert len(measured) == 6 and len(list((tmp_path / "curves").glob("*.json"))) == 3
+
+
+def test_library_stamp_changes_with_a_rebuilt_library(tmp_path):
+    """The curve cache's build key: each library file's name, size and mtime; links skipped."""
+    import os
+
+    from forerun.runtime.llama_cpp import _library_stamp
+
+    lib = tmp_path / "libggml-cpu.so.0.25.3"
+    lib.write_bytes(b"x" * 10)
+    (tmp_path / "libggml-cpu.so.0").symlink_to(lib.name)
+    first = _library_stamp(tmp_path)
+    assert [name for name, *_ in first] == [lib.name]
+    os.utime(lib, ns=(0, lib.stat().st_mtime_ns + 1))
+    assert _library_stamp(tmp_path) != first
+    assert _library_stamp(tmp_path / "missing") == []

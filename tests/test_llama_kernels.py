@@ -6,9 +6,10 @@ setting in a child process (the kernels read their switches once per process):
 - AVX2 (any x86 CPU without AMX): q4_K passes of 2+ rows (instead of ggml's gemm on groups of
   4 and gemv on the rest) and q6_K matmuls of 2+ rows (the LM head, instead of the one-row loop
   and the tiled path) unpack each weight block once; GGML_Q4_K_COLS=0 / GGML_Q6_K_COLS=0 restore
-  ggml's paths. Since every row is then the one-row kernel's (and, with the patch, a one-row
-  attention past 512 cached tokens is no longer split by KV chunks where every thread has heads
-  of its own), a verify pass of up to 48 tokens gives plain decoding's logits, to the bit.
+  ggml's paths; on CPUs with AVX512-VNNI the q4_K kernel multiplies with VNNI (-vnni patch:
+  the same integer sums, so the same bits). Since every row is then the one-row kernel's (and,
+  with the patch, a one-row attention past 512 cached tokens is no longer split by KV chunks
+  where every thread has heads of its own), a verify pass of up to 48 tokens gives plain decoding's logits, to the bit.
 - AMX: the fused VNNI rows (GGML_AMX_VNNI_PER_ROW=1 restores the per-row loop,
   GGML_AMX_VNNI_ROWS=1 the tiles).
 """

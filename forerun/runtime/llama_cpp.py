@@ -120,6 +120,21 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _library_stamp(lib_dir: Path | None = None) -> list:
+    """Name, size and mtime of each shared library of the llama-cpp-python in use (its
+    `lib/` folder): a rebuild of the same version (another patch, another CPU's build) is
+    another build, whose forward times are its own."""
+    if lib_dir is None:
+        import llama_cpp
+
+        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    try:
+        files = sorted(p for p in lib_dir.iterdir() if p.is_file() and not p.is_symlink())
+    except OSError:
+        return []
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+
 def physical_cores() -> int:
     """Physical cores among the CPUs this process may run on: llama.cpp's matmuls gain nothing
     from a core's second hardware thread and lose from oversubscription."""
@@ -239,7 +254,8 @@ class LlamaCppRuntime:
 
     def calibration_key(self) -> dict:
         """What a measured forward-time curve depends on (`forerun.profile` caches curves on
-        disk under it): this file, build, thread count, batch, context and machine."""
+        disk under it): this file, build (version, patch, the libraries' files), thread count,
+        batch, context and machine."""
         import llama_cpp
 
         stat = self._path.stat()
@@ -247,7 +263,7 @@ class LlamaCppRuntime:
                 "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
                 "llama_cpp": llama_cpp.__version__, "patched": not self.hidden_rows_cost_logits,
                 "threads": self._threads, "batch": self.batch_size, "gpu": self._gpu,
-                "capacity": self._capacity, "cpu": _cpu_name()}
+                "capacity": self._capacity, "cpu": _cpu_name(), "libs": _library_stamp()}
 
     def _open_context(self) -> None:
         """A llama.cpp context (the KV cache: sequence SEQ, and a tree pass's others) and its
