@@ -9,7 +9,8 @@ setting in a child process (the kernels read their switches once per process):
   ggml's paths; on CPUs with AVX512-VNNI the q4_K kernel multiplies with VNNI (-vnni patch:
   the same integer sums, so the same bits). Since every row is then the one-row kernel's (and,
   with the patch, a one-row attention past 512 cached tokens is no longer split by KV chunks
-  where every thread has heads of its own), a verify pass of up to 48 tokens gives plain decoding's logits, to the bit.
+  where every thread has heads of its own), a verify pass of up to 48 tokens gives plain
+  decoding's logits, to the bit.
 - AMX: the fused VNNI rows (GGML_AMX_VNNI_PER_ROW=1 restores the per-row loop,
   GGML_AMX_VNNI_ROWS=1 the tiles).
 """
