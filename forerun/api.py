@@ -168,6 +168,13 @@ class Engine:
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
         self.heads = heads
 
+    def warm_up(self) -> int:
+        """Record the target's and the draft model's static passes (CUDA graphs on a GPU) of
+        every size now, not in a request's first steps; runtimes without them skip it (the
+        CPU, llama.cpp). -> sizes recorded."""
+        return sum(rt.warm_up() for rt in (self.target, self.draft)
+                   if rt is not None and hasattr(rt, "warm_up"))
+
     def fork(self) -> Engine:
         """An engine over the same weights with KV caches of its own: one more sequence that can
         be decoded between the steps of this engine's (the server holds one per request)."""

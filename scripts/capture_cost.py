@@ -9,7 +9,13 @@ one (replay only); the capture's cost is first - second (the first round pays th
 one-time costs too: CUDA's lazy kernel loading, cuBLAS). Then plain decoding with attention
 spans across a span boundary (slot 256): ms a step around it.
 
+With `--first-reply {cold,warm}` it times instead, in a fresh process, a first reply's
+decoding (plain, then the target drafting for itself with k=4; 64 tokens each after a
+200-token prompt): cold, every size recorded at its first use inside the reply; warm, after
+`TorchRuntime.warm_up()` (timed on its own), as `forerun serve` and `forerun bench` do.
+
     python scripts/capture_cost.py [--json out.json]
+    python scripts/capture_cost.py --first-reply cold   # then --first-reply warm
 """
 
 from __future__ import annotations
@@ -64,6 +70,32 @@ def span_steps(model, capacity: int, prompt: torch.Tensor, n: int) -> list[float
     return times
 
 
+def first_reply(model, capacity: int, prompt: torch.Tensor, warm: bool, dev: str) -> dict:
+    """ms of warm_up (if `warm`) and of a first plain and self-drafting reply, 64 tokens."""
+    from forerun.engine import speculative_decode
+    from forerun.policy import FixedK
+    from forerun.propose.draft_model import DraftModelProposer
+
+    rt, out = TorchRuntime(model, capacity), {}
+    if warm:
+        sync(dev)
+        start = time.perf_counter()
+        out["warm_up_sizes"] = rt.warm_up()
+        sync(dev)
+        out["warm_up_ms"] = (time.perf_counter() - start) * 1e3
+    ids, gen = prompt.tolist(), make_generator(0)
+    for name in ("plain", "self k=4"):
+        rt.truncate(0)
+        loop = (plain_decode(rt, ids, SamplingConfig(), 64, (), gen) if name == "plain" else
+                speculative_decode(rt, DraftModelProposer(rt.fork(), VOCAB), FixedK(4), ids,
+                                   SamplingConfig(), 64, (), gen))
+        start = time.perf_counter()
+        for _ in loop:
+            pass
+        out[f"{name} ms"] = (time.perf_counter() - start) * 1e3
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -71,6 +103,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="tiny shapes (to try the script)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--first-reply", choices=("cold", "warm"),
+                    help="time a fresh process's first reply instead (see above)")
     args = ap.parse_args()
     dev, dtype = args.device, getattr(torch, args.dtype)
     if args.small:
@@ -79,6 +113,12 @@ def main() -> None:
     prompt = torch.randint(VOCAB - 1, (200,), generator=make_generator(1)).to(dev)
     results: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else dev,
                      "capture_ms": {}}
+    if args.first_reply:
+        res = first_reply(target.model, 2048, prompt, args.first_reply == "warm", dev)
+        print(f"first reply, {args.first_reply}:",
+              ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in res.items()))
+        return
     for _ in range(args.rounds):
         ms = first_uses(target.model, 2048, prompt, dev)
         for B, (first, second) in ms.items():

@@ -166,6 +166,44 @@ def test_static_passes_equal_the_eager_forward(spans):
     assert {k[1] for k in keys} == {256} if spans else all(isinstance(k, int) for k in keys)
 
 
+def test_warm_up_records_every_size_and_keeps_the_cache():
+    """warm_up() runs each padded size's static pass now (a GPU records its graphs there, not
+    in a request) and leaves the cache as it was: the next passes give what they give without
+    it. Only the sizes that fit; a runtime without static passes does nothing."""
+    from forerun.runtime.static import STATIC_SIZES
+
+    tokens = torch.randint(0, 64, (90,), generator=torch.Generator().manual_seed(3))
+    cold, warm = static_runtime(9), static_runtime(9)
+    for rt in (cold, warm):
+        rt.forward(tokens[:70])  # past the largest size: the eager forward
+    assert warm.warm_up() == len(STATIC_SIZES) and warm.length == 70
+    assert set(warm._static._sized) == set(STATIC_SIZES) and not cold._static._sized
+    for n in (1, 3, 8):
+        a, b = (rt.forward(tokens[70:70 + n]) for rt in (cold, warm))
+        assert torch.equal(a.logits, b.logits)
+        for rt in (cold, warm):
+            rt.truncate(70)
+    near_end = static_runtime(9, capacity=48)
+    near_end.forward(tokens[:40])
+    assert near_end.warm_up() == 4 and near_end.length == 40  # sizes 1, 2, 4, 8 fit in 48
+    assert static_runtime(9).warm_up(max_tokens=4) == 3
+    assert tiny_runtime(9).warm_up() == 0  # no static passes (the CPU's default)
+
+
+def test_engine_and_server_slots_warm_up_their_runtimes():
+    """Engine.warm_up records the target's and the draft's passes; a server's Worker warms
+    every slot's engine (each fork records passes of its own) before serving."""
+    from forerun.api import Engine
+    from forerun.runtime.static import STATIC_SIZES
+    from forerun.serve.worker import Worker
+
+    engine = Engine.from_runtimes(static_runtime(1), None, static_runtime(2))
+    assert engine.warm_up() == 2 * len(STATIC_SIZES)
+    assert Engine.from_runtimes(tiny_runtime(1), None).warm_up() == 0
+    worker = Worker(Engine.from_runtimes(static_runtime(1), None), slots=2, max_queue=0)
+    assert worker.warm_up() == 2 * len(STATIC_SIZES)
+
+
 def test_static_passes_near_the_end_of_the_cache_and_in_a_fork():
     """A pass whose padded rows would run past the cache takes the eager forward; a fork
     records its own passes (they write its cache, not the original's)."""

@@ -160,6 +160,7 @@ def median_run(runs: list[Run]) -> Run:
 def _warmup(engine: Engine, prompts: list[Prompt], cells, peers: list[Peer]) -> None:
     if not prompts:
         return
+    engine.warm_up()  # every static size (CUDA graphs), not only those the warm-up run meets
     ids = engine.tokenizer.encode_prompt(prompts[0].text)
     for _, spec in cells:
         engine.generate(ids, max_tokens=WARMUP_TOKENS, spec=spec)

@@ -223,6 +223,25 @@ class TorchRuntime:
     def capacity(self) -> int:
         return self._capacity
 
+    def warm_up(self, max_tokens: int | None = None) -> int:
+        """Record the static passes of every padded size (up to `max_tokens` new tokens) now
+        rather than at their first use, where a request would wait for them: on a GPU each
+        size's first pass captures its CUDA graph (H100: ~50 ms) and, the first time in the
+        process, sets up the attention kernel for its shape (cuDNN: up to ~1 s a shape; see
+        README, On a GPU). The passes run past the cache's length and are truncated away, so
+        the cache keeps what it holds. A no-op without static passes (the CPU's default).
+        -> how many sizes ran."""
+        if self._static is None:
+            return 0
+        start, ran = self._length, 0
+        for size in self._static.sizes:
+            if (max_tokens is not None and size > max_tokens) or not self._static.fits(start, size):
+                break
+            self.forward(torch.zeros(size, dtype=torch.long))
+            self.truncate(start)
+            ran += 1
+        return ran
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -88,6 +89,12 @@ def cmd_serve(args) -> int:
     with err.status("starting the worker"):
         worker = Worker(engine, slots=args.max_concurrent, max_queue=args.max_queue,
                         shedding=LoadShedding(args.spec_reduce_above, args.spec_off_above))
+    with err.status("recording the decode passes (CUDA graphs)"):
+        started = time.perf_counter()
+        recorded = worker.warm_up()
+    if recorded:
+        err.print(f"recorded {recorded} decode pass sizes in {time.perf_counter() - started:.1f} s",
+                  highlight=False)
     name = args.served_model_name or (Path(args.target).name if Path(args.target).exists()
                                       else args.target)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None

@@ -165,6 +165,11 @@ class Worker:
 
     # --- called from other threads ---------------------------------------------------------------
 
+    def warm_up(self) -> int:
+        """Every slot's engine records its static passes before the first request (on a GPU:
+        CUDA graphs, each slot its own); call before start(). -> sizes recorded."""
+        return sum(engine.warm_up() for engine in self._free)
+
     def start(self) -> None:
         self._thread.start()
 
