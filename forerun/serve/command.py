@@ -35,7 +35,8 @@ def add_serve_parser(sub, add_model_args, add_spec_args) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Serve /v1/completions and /v1/chat/completions (streaming or not), "
         "/v1/models, /metrics (Prometheus) and /health. Requests choose their speculation with "
-        "the extension field \"speculation\"; the flags below set the default.")
+        "the extension field \"speculation\"; the flags below set the default. On a GPU the "
+        "decode passes of every slot are recorded (CUDA graphs) before the first request.")
     s.add_argument("--host", default=DEFAULT_HOST, help="address to bind")
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help="port")
     s.add_argument("--api-key", default=None,
