@@ -12,8 +12,9 @@ LLAMA_SRC := $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_VERSION)
 LLAMA_CMAKE_ARGS ?=
 # our changes to it, applied in name order: -amx (AMX tile fixes and kernel choice), -avx2
 # (multi-row q4_K/q6_K kernels for verify passes and prompts), -hidden (every row's hidden
-# state without its logits, for the heads), -vnni (AVX512-VNNI dot products in the multi-row
-# q4_K kernel, where the CPU has them)
+# state without its logits, for the heads), -q6k (q6_K weights repacked into 8-row interleaved
+# blocks on x86, one kernel for 1-4 activation rows), -vnni (AVX512-VNNI dot products in the
+# multi-row q4_K kernel, where the CPU has them)
 LLAMA_PATCHES := $(sort $(wildcard patches/llama-cpp-python-$(LLAMA_VERSION)-*.patch))
 PROMPT ?= Refactor this function to use a dataclass:\n\ndef make_user(name, email, age):\n    return {\"name\": name, \"email\": email, \"age\": age}\n\ndef describe(user):\n    return f\"{user['name']} <{user['email']}> is {user['age']}\"
 

@@ -7,10 +7,12 @@ setting in a child process (the kernels read their switches once per process):
   4 and gemv on the rest) and q6_K matmuls of 2+ rows (the LM head, instead of the one-row loop
   and the tiled path) unpack each weight block once; GGML_Q4_K_COLS=0 / GGML_Q6_K_COLS=0 restore
   ggml's paths; on CPUs with AVX512-VNNI the q4_K kernel multiplies with VNNI (-vnni patch:
-  the same integer sums, so the same bits). Since every row is then the one-row kernel's (and,
-  with the patch, a one-row attention past 512 cached tokens is no longer split by KV chunks
-  where every thread has heads of its own), a verify pass of up to 48 tokens gives plain
-  decoding's logits, to the bit.
+  the same integer sums, so the same bits). Since the -q6k patch, q6_K weights are repacked
+  into 8-row interleaved blocks and every q6_K matmul, one row or many, takes one kernel
+  (GGML_Q6_K_REPACK=0 keeps ggml's layout and the kernels above). Since every row is then the
+  one-row kernel's (and, with the patch, a one-row attention past 512 cached tokens is no
+  longer split by KV chunks where every thread has heads of its own), a verify pass of up to
+  48 tokens gives plain decoding's logits, to the bit.
 - AMX: the fused VNNI rows (GGML_AMX_VNNI_PER_ROW=1 restores the per-row loop,
   GGML_AMX_VNNI_ROWS=1 the tiles).
 """
@@ -72,7 +74,7 @@ AVX2_PASSES = (2, 3, 4, 5, 9, 16, 17, 33, 64)
 def test_avx2_multi_row_kernels_give_the_one_row_kernels_logits(kquant_gguf, tmp_path):
     fused = run_child(kquant_gguf, tmp_path / "fused.npz", AVX2_PASSES)
     loops = run_child(kquant_gguf, tmp_path / "loops.npz", AVX2_PASSES,
-                      GGML_Q4_K_COLS="0", GGML_Q6_K_COLS="0")
+                      GGML_Q4_K_COLS="0", GGML_Q6_K_COLS="0", GGML_Q6_K_REPACK="0")
     for n in map(str, AVX2_PASSES):
         assert np.isfinite(fused[n]).all() and fused[n].std() > 0.1, n
         # ggml's gemm sums in another order than its gemv: its passes of 4+ rows differ a little
@@ -98,3 +100,22 @@ def test_fused_vnni_rows_give_the_one_row_kernel_s_logits(kquant_gguf, tmp_path)
         assert np.isfinite(fused).all() and fused.std() > 0.1, n
         assert np.array_equal(fused, runs["per_row"][n]), n
         np.testing.assert_allclose(fused, runs["tiles"][n], atol=1e-3 * np.abs(fused).max())
+
+
+def test_q6k_kernel_matches_ggml_and_is_exact_across_row_counts():
+    """-q6k: the interleaved q6_K kernel against ggml's generic one on random blocks (relative
+    error < 1e-5) and 1-4 activation rows against one (to the bit); scripts/q6k_kernel_check.py
+    through ctypes, where the build has the kernel (x86 with AVX2)."""
+    import ctypes
+    from pathlib import Path
+
+    import llama_cpp
+
+    lib = Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so.0"
+    if not lib.exists() or not hasattr(ctypes.CDLL(str(lib)), "ggml_gemv_q6_K_8x4_q8_K_cols"):
+        pytest.skip("this build has no -q6k kernel (not x86 with AVX2)")
+    script = Path(__file__).parents[1] / "scripts" / "q6k_kernel_check.py"
+    out = subprocess.run([sys.executable, str(script), str(lib), "--no-timing"], check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    error = float(out.split("max relative difference")[1].split()[0])
+    assert error < 1e-5 and "equal the one-row kernel to the bit" in out, out

@@ -1,18 +1,28 @@
-"""Checks and times the experimental x86 q6_K 8x4 kernel (q6_K_8x4_x86.diff) through ctypes, on
-random blocks in llama.cpp's block_q6_Kx8 layout (4-byte interleave): against ggml's generic
-kernel (relative error), each column count 1-8 against the one-row kernel (to the bit), and the
-GB/s of one row streaming a 191 MB LM head from memory next to the q4_K 8x8 kernel's.
+"""The x86 q6_K kernel of the -q6k patch, checked and timed through ctypes on random blocks in
+llama.cpp's block_q6_Kx8 layout (4-byte interleave, quants in the order the kernel reads them):
+against ggml's generic kernel (relative error), each column count 1-4 against the one-row
+kernel (to the bit), and the GB/s of one row streaming a 191 MB LM head from memory next to the
+q4_K 8x8 kernel's.
 
-    python docs/experiments/q6_K_8x4_check.py PATH/libggml-cpu.so   # a build with the diff
+    python scripts/q6k_kernel_check.py [PATH/libggml-cpu.so.0]   # default: the installed one
+    python scripts/q6k_kernel_check.py --no-timing               # the checks only (tests/)
 """
 
 import ctypes
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-lib = ctypes.CDLL(sys.argv[1])
+args = [a for a in sys.argv[1:] if a != "--no-timing"]
+if args:
+    path = args[0]
+else:
+    import llama_cpp
+
+    path = str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so.0")
+lib = ctypes.CDLL(path)
 lib.ggml_cpu_init()  # ggml's fp16 table, which the generic kernel reads
 rng = np.random.default_rng(0)
 P, INT, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
@@ -26,6 +36,17 @@ def q6_blocks(rows: int, nb: int) -> np.ndarray:
     for name in ("scales", "ql", "qh"):
         blk[name] = rng.integers(0, 256, blk[name].shape).astype(blk[name].dtype)
     return blk
+
+
+def x86_order(blk: np.ndarray) -> np.ndarray:
+    """The x86 kernel's byte order of a block's quants (forerun_q6_K_8x4_order in the diff)."""
+    out = blk.copy()
+    ql, qh = blk["ql"].reshape(*blk.shape, 32, 32), blk["qh"].reshape(*blk.shape, 16, 32)
+    runs = [run for h in range(2) for r in range(8)
+            for run in (qh[..., 8 * h + r, :], ql[..., 16 * h + r, :], ql[..., 16 * h + r + 8, :])]
+    quants = np.stack(runs, axis=-2).reshape(*blk.shape, 1536)
+    out["ql"], out["qh"] = quants[..., :1024], quants[..., 1024:]
+    return out
 
 
 def q8_rows(cols: int, nb: int) -> np.ndarray:
@@ -42,20 +63,25 @@ for fn in (gemv, generic, q4):
     fn.argtypes = [INT, P, Z, P, P, INT, INT]
 cols_kernel.argtypes = [INT, P, Z, P, P, Z, INT, INT]
 
-nb, rows, ncol = 6, 32, 8
+nb, rows, ncol = 6, 32, 4
 blk, act = q6_blocks(rows, nb), q8_rows(ncol, nb)
+ours = x86_order(blk)  # the same weights in the kernel's order; ggml's generic reads blk
 ref, one = np.zeros((ncol, rows), np.float32), np.zeros((ncol, rows), np.float32)
 for c in range(ncol):
     a = np.ascontiguousarray(act[c])
     generic(256 * nb, ref[c].ctypes.data, 0, blk.ctypes.data, a.ctypes.data, 1, rows)
-    gemv(256 * nb, one[c].ctypes.data, 0, blk.ctypes.data, a.ctypes.data, 1, rows)
+    gemv(256 * nb, one[c].ctypes.data, 0, ours.ctypes.data, a.ctypes.data, 1, rows)
 print("vs generic: max relative difference", np.abs(ref - one).max() / np.abs(ref).max())
 for k in range(1, ncol + 1):
     out = np.zeros_like(ref)
-    cols_kernel(256 * nb, out.ctypes.data, rows, blk.ctypes.data, act.ctypes.data,
+    cols_kernel(256 * nb, out.ctypes.data, rows, ours.ctypes.data, act.ctypes.data,
                 act.itemsize * nb, k, rows)
     assert np.array_equal(out[:k], one[:k]), k
-print("1-8 columns equal the one-row kernel to the bit")
+print(f"1-{ncol} columns equal the one-row kernel to the bit")
+
+
+if "--no-timing" in sys.argv:
+    sys.exit(0)
 
 
 def best_ms(fn, repeats: int = 5) -> float:
