@@ -37,7 +37,14 @@ from forerun.heads import (
 from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
-from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, MIN_IDLE, HeadProposer, next_depth
+from forerun.propose.heads import (
+    AUTO_TREE,
+    AUTO_TREE_MAX,
+    CATCHUP_ROWS,
+    MIN_IDLE,
+    HeadProposer,
+    next_depth,
+)
 from forerun.propose.ngram import LOOKUP_PRIOR_PER_N, LookupBranch
 from forerun.reference import plain_decode
 from forerun.runtime.static import MIN_SPAN, span_of, top
@@ -277,6 +284,23 @@ def test_auto_tree_budget_is_cut_by_the_curve_and_calibrated():
         steep.commit(len(tokens) - 1)
     assert rest == [0] * (MIN_IDLE + 1) and steep.skip == 2 * MIN_IDLE
     assert sizes[0] <= AUTO_TREE_MAX
+
+
+def test_a_backlog_catch_up_is_priced_as_a_drafting_step(monkeypatch):
+    # the head's seconds a step count its catch-up over at most CATCHUP_ROWS features: a
+    # prompt's (or a rest's) backlog is a one-off, not what each drafting step costs
+    target = tiny_runtime(0)
+    proposer = HeadProposer(random_heads("eagle", target), target.capacity, AUTO_TREE, 3,
+                            verify=lambda n: float(n))
+    proposer.prefill(PROMPT_T)
+    target.truncate(0)
+    proposer.feed(target.forward(torch.tensor(PROMPT_T), hidden_layers=(-1,)).hidden)
+    clock = iter([0.0, 10.0, 12.0])  # started, the root (catch-up) done, the tree done
+    monkeypatch.setattr("forerun.propose.heads.perf_counter", lambda: next(clock))
+    proposer.propose([*PROMPT_T, 1], 3, GREEDY, make_generator(0))
+    rows = proposer._caught_up
+    assert rows == len(PROMPT_T) > CATCHUP_ROWS
+    assert proposer.head_seconds == pytest.approx(2.0 + 10.0 * CATCHUP_ROWS / rows)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -70,6 +70,13 @@ LOOKUP_HEAD_DEPTH = 5
 # a 2-children tree cost 4.4 ms, a graphed target pass 4.1.
 DEVICE_DEPTH = 4
 HEAD_SECONDS_MEMORY = 0.2  # weight of the newest step in the head's running seconds a step
+# EAGLE's catch-up over the features that waited is priced as a drafting step's would be: over
+# at most this many rows (a step's accepted tokens and the next), the rest of a rest's or a
+# prompt's backlog being a one-off. Counted whole, it made a probe after a rest look like a
+# 17.4 ms drafting step (median, h125 head, EPYC, llama.cpp: 1.8 ms + 0.33 ms a row over up to
+# REST_WINDOW rows, then the tree), so the budget kept resting: 90% of steps on five
+# Spec-Bench questions, the head drafting in 1-3 steps a reply.
+CATCHUP_ROWS = 4
 # Where the curve keeps choosing no draft at all (a steep CPU curve), the head is not run for the
 # next `idle` steps (features wait, EAGLE's backlog is absorbed in one batched step), then it
 # probes again; `idle` doubles after each empty probe, up to MAX_IDLE, and resets on a draft.
@@ -207,13 +214,15 @@ class HeadProposer:
         if self.skip > 0:  # the verify curve has not wanted a draft lately
             self.skip -= 1
             return self._lookup_only(chain, chain_scores)
-        started = perf_counter()
+        started, caught_up = perf_counter(), 0
         if self.eagle:
             root, expand, (root_o, root_pos) = self._eagle(tokens)
+            caught_up = self._caught_up
         elif self.cfg.kind == "medusa":
             root, expand = self._medusa()
         else:
             root, expand = self._hydra(torch.tensor(tokens[-1:], device=self.device))  # [1]
+        rooted = perf_counter()
         k = min(k, self.cfg.num_heads) if not self.eagle else k
         if self.lookup is not None:
             k = min(k, LOOKUP_HEAD_DEPTH)
@@ -234,6 +243,8 @@ class HeadProposer:
         else:
             ids, parents = grow_tree(root, expand, depth=k, topk=topk, beam=topk, budget=budget)
         elapsed = perf_counter() - started
+        if caught_up > CATCHUP_ROWS:  # a backlog's catch-up, priced at a drafting step's rows
+            elapsed -= (rooted - started) * (1 - CATCHUP_ROWS / caught_up)
         self.head_seconds = elapsed if not self.head_seconds else (
             self.head_seconds + HEAD_SECONDS_MEMORY * (elapsed - self.head_seconds))
         draft = self.vocab_ids[torch.tensor(ids, dtype=torch.long)].tolist()  # target ids
@@ -320,6 +331,7 @@ class HeadProposer:
         o, logprobs = self._step(features, nexts, positions, start,
                                  None if n == 1 else causal(start, n), last_only=True)
         self.committed = start + n  # == len(tokens) - 1 - first
+        self._caught_up = n  # rows this catch-up ran over (priced in propose)
         root_o, root_pos = o[-1:], start + n - 1  # [1, D]: predicts the first draft token
         # 2. Drafted nodes append after the committed entries, attending to their ancestors.
         state: dict[int, tuple[torch.Tensor, int]] = {}  # candidate -> (o [1, D], slot)
