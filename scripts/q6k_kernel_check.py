@@ -11,18 +11,13 @@ q4_K 8x8 kernel's.
 import ctypes
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-args = [a for a in sys.argv[1:] if a != "--no-timing"]
-if args:
-    path = args[0]
-else:
-    import llama_cpp
+from forerun.runtime.llama_amx import library_dir
 
-    path = str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so.0")
-lib = ctypes.CDLL(path)
+args = [a for a in sys.argv[1:] if a != "--no-timing"]
+lib = ctypes.CDLL(args[0] if args else str(library_dir() / "libggml-cpu.so.0"))
 lib.ggml_cpu_init()  # ggml's fp16 table, which the generic kernel reads
 rng = np.random.default_rng(0)
 P, INT, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t

@@ -109,9 +109,9 @@ def test_q6k_kernel_matches_ggml_and_is_exact_across_row_counts():
     import ctypes
     from pathlib import Path
 
-    import llama_cpp
+    from forerun.runtime.llama_amx import library_dir
 
-    lib = Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so.0"
+    lib = library_dir() / "libggml-cpu.so.0"
     if not lib.exists() or not hasattr(ctypes.CDLL(str(lib)), "ggml_gemv_q6_K_8x4_q8_K_cols"):
         pytest.skip("this build has no -q6k kernel (not x86 with AVX2)")
     script = Path(__file__).parents[1] / "scripts" / "q6k_kernel_check.py"

@@ -102,10 +102,15 @@ def _has_amx_tensors(model: Path) -> bool:
         return False  # not a readable GGUF: llama.cpp will say so itself
 
 
-def _fingerprint(model: Path) -> str:
+def library_dir() -> Path:
+    """The `lib/` folder of the llama-cpp-python in use: its libllama and ggml libraries."""
     import llama_cpp
 
-    libs = sorted((Path(llama_cpp.__file__).parent / "lib").glob("libggml-cpu*"))
+    return Path(llama_cpp.__file__).parent / "lib"
+
+
+def _fingerprint(model: Path) -> str:
+    libs = sorted(library_dir().glob("libggml-cpu*"))
     parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in libs[:1]]
     st = model.stat()
     return "|".join([*parts, f"{model.resolve()}:{st.st_size}"])

@@ -66,7 +66,7 @@ import torch
 from llama_cpp import llama_cpp as C
 
 from forerun.runtime.base import ForwardOutput, ModelConfig
-from forerun.runtime.llama_amx import use_extra_buffers
+from forerun.runtime.llama_amx import library_dir, use_extra_buffers
 
 DEFAULT_BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch); longer input is chunked
 SEQ = 0  # the committed sequence; a tree pass's leaf j is sequence SEQ + j
@@ -124,10 +124,7 @@ def _library_stamp(lib_dir: Path | None = None) -> list:
     """Name, size and mtime of each shared library of the llama-cpp-python in use (its
     `lib/` folder): a rebuild of the same version (another patch, another CPU's build) is
     another build, whose forward times are its own."""
-    if lib_dir is None:
-        import llama_cpp
-
-        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    lib_dir = library_dir() if lib_dir is None else lib_dir
     try:
         files = sorted(p for p in lib_dir.iterdir() if p.is_file() and not p.is_symlink())
     except OSError:
