@@ -38,8 +38,11 @@ from forerun.propose.base import Draft
 from forerun.propose.heads import (
     CALIBRATION_MEMORY,
     CALIBRATION_PRIOR,
+    CATCHUP_ROWS,
     MAX_IDLE,
     MIN_IDLE,
+    PROMPT_WINDOW,
+    REST_WINDOW,
     HeadProposer,
 )
 from forerun.sampling import SamplingConfig
@@ -119,12 +122,18 @@ def top_chain(step: dict, k: int) -> list[int]:
     return chain
 
 
-def replay(rec: dict, policy: str, verify, level: float) -> tuple[float, int, int]:
-    """Seconds for out[1:] after prefill, target passes, drafted nodes."""
+def replay(rec: dict, policy: str, verify, level: float, call: tuple[float, float] = (0, 0),
+           rest: tuple[int, int, bool] = (MIN_IDLE, MAX_IDLE, False)) -> tuple[float, int, int]:
+    """Seconds for out[1:] after prefill, target passes, drafted nodes. `call`: a head call's
+    fixed seconds and seconds a feature caught up (the features since its last call, at most
+    REST_WINDOW after a rest, PROMPT_WINDOW at the first), paid by the automatic policies on
+    every call, drafting or not (0, 0: levels only); `rest`: (MIN_IDLE, MAX_IDLE, whether a
+    draft halves the next rest instead of resetting it)."""
     prompt, out = rec["prompt"], rec["out"]
     at = {s["n"] - len(prompt): s for s in rec["steps"]}  # output position -> recorded tree
     i, seconds, passes, drafted = 1, 0.0, 0, 0
-    skip, idle, observed, predicted = 0, MIN_IDLE, 0.0, 0.0
+    min_idle, max_idle, halve = rest
+    skip, idle, observed, predicted, fed = 0, min_idle, 0.0, 0.0, 1 - PROMPT_WINDOW
     while i < len(out):
         step, truth, n, accepted, cost = at.get(i), out[i:], 0, 0, 0.0
         if step is not None and policy == "oracle":
@@ -144,16 +153,19 @@ def replay(rec: dict, policy: str, verify, level: float) -> tuple[float, int, in
         elif step is not None:  # auto, auto-norest
             scale = (observed + CALIBRATION_PRIOR) / (predicted + CALIBRATION_PRIOR)
             ranked = sorted(step["scores"], reverse=True)
-            m, cost = best_budget(ranked, verify, scale, overhead=level), level
+            rows = min(i - fed, REST_WINDOW)  # features the call catches up over
+            fed, overhead = i, call[0] + call[1] * min(rows, CATCHUP_ROWS) + level
+            m, cost = best_budget(ranked, verify, scale, overhead=overhead), level
             if m:
                 tokens, parents, depth = cut(step, m)
                 n, accepted, cost = len(tokens), match_depth(tokens, parents, truth), level * depth
                 expected = sum(math.exp(s) for s in ranked[:m])
                 memory = math.exp(-expected / CALIBRATION_MEMORY)
                 observed, predicted = memory * observed + accepted, memory * predicted + expected
-                idle = MIN_IDLE
+                idle = max(min_idle, idle // 2) if halve else min_idle
             elif policy == "auto":
-                skip, idle = idle, min(2 * idle, MAX_IDLE)
+                skip, idle = idle, min(2 * idle, max_idle)
+            cost += call[0] + call[1] * rows
         i += min(accepted + 1, len(out) - i)
         seconds += verify(n + 1) + cost
         passes, drafted = passes + 1, drafted + n
@@ -173,7 +185,18 @@ def main() -> None:
                     help="the head's milliseconds a tree level (w8a8 on this Zen 3: ~3)")
     ap.add_argument("--record", type=Path, default=Path("head_replay.jsonl"),
                     help="recorded trees: read if it exists, else generated and written here")
+    ap.add_argument("--call-ms", default="0,0",
+                    help="FIXED,ROW: a head call's fixed ms and ms a feature it catches up, on "
+                         "every call of the automatic policies (EPYC, int8 h125: 3.4,0.27)")
+    ap.add_argument("--rest", action="append", default=[],
+                    help="MIN,MAX[,halve]: one more automatic policy with these rests between "
+                         "probes (halve: a draft halves the next rest instead of resetting it)")
     args = ap.parse_args()
+    call = tuple(float(x) / 1000 for x in args.call_ms.split(","))
+    rests = {"auto": (MIN_IDLE, MAX_IDLE, False)}
+    for r in args.rest:
+        lo, hi, *halve = r.split(",")
+        rests[f"auto{lo}-{hi}{'h' if halve else ''}"] = (int(lo), int(hi), bool(halve))
     engine = Engine(args.target, None, spec=SpecConfig("eagle", DEPTH, tree=NODES, tree_topk=TOPK),
                     load=LoadConfig(runtime=args.runtime, heads=args.heads))
     if not args.record.exists():
@@ -184,7 +207,7 @@ def main() -> None:
     verify = calibrated_curve(engine.target, NODES + 1)
     print("verify ms, 1/2/4/8/16 tokens:",
           " / ".join(f"{verify(n) * 1000:.1f}" for n in (1, 2, 4, 8, 16)))
-    policies = ("auto", "auto-norest", "chain1", "chain2", "chain3", "oracle")
+    policies = (*rests, "auto-norest", "chain1", "chain2", "chain3", "oracle")
     print("decode speedup / tokens a pass")
     print(f"{'category':15s} " + " ".join(f"{p:>12s}" for p in policies))
     by_cat: dict[str, list[dict]] = {}
@@ -196,7 +219,9 @@ def main() -> None:
         for p in policies:
             speedups, lengths = [], []
             for r in rs:
-                seconds, passes, _ = replay(r, p, verify, args.level_ms / 1000)
+                seconds, passes, _ = replay(r, "auto" if p in rests else p, verify,
+                                            args.level_ms / 1000, call,
+                                            rests.get(p, rests["auto"]))
                 speedups.append((len(r["out"]) - 1) * verify(1) / seconds if seconds else 1.0)
                 lengths.append((len(r["out"]) - 1) / passes if passes else 1.0)
             cells.append(f"{statistics.mean(speedups):5.2f}x/{statistics.mean(lengths):4.2f}")

@@ -45,7 +45,7 @@ from forerun.propose.heads import (
     HeadProposer,
     next_depth,
 )
-from forerun.propose.ngram import LOOKUP_PRIOR_PER_N, LookupBranch
+from forerun.propose.ngram import LOOKUP_PRIOR_PER_N, LookupBranch, run_prior
 from forerun.reference import plain_decode
 from forerun.runtime.static import MIN_SPAN, span_of, top
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
@@ -335,21 +335,30 @@ def test_graft_shares_matching_nodes_and_match_depth_follows_the_tokens():
 
 
 def test_lookup_branch_learns_its_acceptance_from_what_followed():
-    branch = LookupBranch(1, 2)
+    branch = LookupBranch(1, 2)  # run classes 1, then 2-3, 4-7, 8-15, 16+
+    assert [branch.run_class(r) for r in (1, 2, 3, 4, 7, 8, 16, 99)] == [1, 2, 2, 4, 4, 8, 16, 16]
     seq = [5, 6, 7, 8, 5, 6]
     chain, scores = branch.propose(seq, 3)
     assert chain == [7, 8, 5]
-    cold = 2 * LOOKUP_PRIOR_PER_N  # the prior of a 2-token suffix's continuations
-    assert scores == pytest.approx([math.log(cold) * d for d in (1, 2, 3)])
-    assert branch.acceptance(1) < cold  # a shorter matched suffix is trusted less
-    branch.propose([*seq, 7, 8, 5, 6], 3)  # the target went on as the chain said: 3 of 3
-    assert branch.acceptance(2) > cold and branch.acceptance(1) == LOOKUP_PRIOR_PER_N
-    before = branch.acceptance(2)
-    branch.propose([*seq, 7, 8, 5, 6, 1], 3)  # chain [7, 8, 5] again; the target chose 1
-    assert branch.acceptance(2) < before
+    # the suffix [5, 6] matched and the token before it (8) disagrees with the one before the
+    # occurrence (none): a run of 2; each token taken would make it one longer
+    a2, a4 = run_prior(2, 2), run_prior(4, 2)
+    assert a4 > a2 > run_prior(1, 2) == LOOKUP_PRIOR_PER_N  # a longer run: a likelier copy
+    assert scores == pytest.approx([math.log(a2), 2 * math.log(a2), 2 * math.log(a2)
+                                    + math.log(a4)])
+    assert branch.acceptance(1) < a2  # a shorter run is trusted less
+    # the target went on as the chain said: 3 of 3, at runs 2, 3 and 4
+    chain, scores = branch.propose([*seq, 7, 8, 5, 6], 3)
+    assert branch.acceptance(2) > a2 and branch.acceptance(4) > a4
+    assert branch.acceptance(1) == LOOKUP_PRIOR_PER_N
+    # now the whole text before [5, 6] repeats: a run of 6 (class 4-7), priced as such
+    assert chain == [7, 8, 5] and scores[0] == pytest.approx(math.log(branch.acceptance(6)))
+    before = branch.acceptance(4)
+    branch.propose([*seq, 7, 8, 5, 6, 1], 3)  # the target chose 1: a miss at run 6
+    assert branch.acceptance(4) < before and branch.acceptance(2) > a2
     assert branch.propose([1, 2, 3], 3) == ([], [])  # nothing to look up
     branch.reset()
-    assert branch.acceptance(2) == cold
+    assert branch.acceptance(2) == a2
 
 
 def test_heads_with_lookup_draft_the_continuation_as_a_path():

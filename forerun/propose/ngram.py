@@ -4,7 +4,8 @@ the sequence's suffix. Free to run, deterministic (q = None), strong on edits an
 Owns: the suffix matcher. Tries suffix lengths from `max_n` down to `min_n`, and for the longest
 suffix that occurred before, proposes up to k tokens that followed its most recent occurrence.
 Also `LookupBranch`: the same continuation as one more branch of a head's draft tree, with a
-running acceptance estimate per suffix length that prices its nodes.
+running acceptance estimate per matched run (how far back the text agrees with the earlier
+occurrence) that prices its nodes.
 """
 
 from __future__ import annotations
@@ -19,14 +20,26 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from forerun.propose.base import AcceptanceEstimate, Draft
 
-# LookupBranch's acceptance estimate per suffix length n: a prior worth PRIOR_TRIALS positions
-# at LOOKUP_PRIOR_PER_N * n (at most LOOKUP_PRIOR_MAX: a longer matched suffix is a likelier
-# continuation), then evidence discounted by e^-1 per LOOKUP_MEMORY newer positions. Priors are
-# low: evidence comes every step for free, while a draft on a cold guess costs a verify row.
+# LookupBranch's acceptance estimate per run class: the matched run r is the suffix length n
+# (min_n..max_n), extended back while the text before the suffix agrees with the text before the
+# earlier occurrence, in classes 1, .., max_n - 1, then max_n, 2 max_n, .. (RUN_CLASSES of them,
+# the last open). Each class's chance that the next token follows the occurrence too has a
+# prior worth PRIOR_TRIALS positions, LOOKUP_PRIOR_PER_N * r below max_n (low: evidence comes
+# every step for free, while a draft on a cold guess costs a verify row), 1 - 1/r from max_n
+# on, then evidence discounted by e^-1 per LOOKUP_MEMORY newer positions. Measured (greedy
+# Qwen2.5-Coder-1.5B replies, 40 EditEval prompts, every step's continuation against the
+# reply): the first token is taken 0.36 / 0.60 / 0.70 of the time after a run of 1 / 2 / 3,
+# 0.82 after 4-7, 0.94 after 8-15, 0.97 after 16-31, 0.98 after more; a run's length tells a
+# copy in progress from a chance match better than the suffix length alone.
 LOOKUP_PRIOR_PER_N = 0.125
-LOOKUP_PRIOR_MAX = 0.5
 PRIOR_TRIALS = 2.0
 LOOKUP_MEMORY = 16.0
+RUN_CLASSES = 4
+
+
+def run_prior(run: int, max_n: int) -> float:
+    """A run class's prior chance that the next token follows the occurrence."""
+    return LOOKUP_PRIOR_PER_N * run if run < max_n else 1 - 1 / run
 
 
 def check_suffix_range(min_n: int, max_n: int) -> None:
@@ -72,13 +85,18 @@ class SuffixIndex:
     def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """Up to k ids that followed the latest earlier occurrence of the longest suffix of
         `tokens` (min_n..max_n long), and that suffix's length (0: none)."""
+        chain, n, _ = self.match_at(tokens, k)
+        return chain, n
+
+    def match_at(self, tokens: list[int], k: int) -> tuple[list[int], int, int]:
+        """match's ids and suffix length, and where the occurrence ends (-1: none)."""
         self._extend(tokens)
         length = len(tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             end = self.ends.get(tuple(tokens[length - n:]))
             if end is not None:
-                return tokens[end + 1:end + 1 + k], n
-        return [], 0
+                return tokens[end + 1:end + 1 + k], n, end
+        return [], 0, -1
 
     def _extend(self, tokens: list[int]) -> None:
         old = len(self.seen)
@@ -117,16 +135,18 @@ class NgramProposer:
 class LookupBranch:
     """The prompt-lookup continuation as a branch of another drafter's tree (heads + lookup).
 
-    Its nodes are priced like a head's: the node at depth d scores d * log(a_n), with a_n the
-    running per-token acceptance of continuations found by an n-token suffix. The estimate
-    learns every step, drafted or not: the last continuation is compared with the tokens the
-    target then produced (accepted ones and its own next token), up to the first difference.
+    Its nodes are priced like a head's, by path log-probabilities: the continuation's token
+    at depth d follows a run of r + d - 1 if every token before it was taken (r: the run the
+    suffix matched), so it scores log a(r) + ... + log a(r + d - 1), with a(.) the running
+    acceptance of the run's class. The estimates learn every step, drafted or not: the last
+    continuation is compared with the tokens the target then produced (accepted ones and its
+    own next token), each position up to the first difference one trial of its run's class.
     """
 
     min_n: int = 1
     max_n: int = 4
-    stats: dict[int, AcceptanceEstimate] = field(default_factory=dict)  # per suffix length
-    _last: tuple[int, list[int], int] | None = None  # (len(tokens), continuation, n)
+    stats: dict[int, AcceptanceEstimate] = field(default_factory=dict)  # per run class
+    _last: tuple[int, list[int], int] | None = None  # (len(tokens), continuation, run)
 
     def __post_init__(self):
         self._index = SuffixIndex(self.min_n, self.max_n)
@@ -134,31 +154,49 @@ class LookupBranch:
 
     def reset(self) -> None:
         self._index.reset()
-        self.stats = {n: AcceptanceEstimate(min(LOOKUP_PRIOR_PER_N * n, LOOKUP_PRIOR_MAX),
-                                            PRIOR_TRIALS, LOOKUP_MEMORY)
-                      for n in range(self.min_n, self.max_n + 1)}
+        self.stats = {n: AcceptanceEstimate(run_prior(n, self.max_n), PRIOR_TRIALS, LOOKUP_MEMORY)
+                      for n in self._runs()}
         self._last = None
 
-    def acceptance(self, n: int) -> float:
-        return self.stats[n].rate
+    def _runs(self) -> list[int]:
+        """The run classes: each suffix length below max_n, then max_n times 1, 2, 4, ..."""
+        longer = [self.max_n << i for i in range(RUN_CLASSES)]
+        return [*range(self.min_n, self.max_n), *longer]
+
+    def run_class(self, run: int) -> int:
+        """The class a matched run of this length falls in (its lower bound)."""
+        return max(n for n in self.stats if n <= run)
+
+    def acceptance(self, run: int) -> float:
+        """The running per-token acceptance of continuations after a matched run this long."""
+        return self.stats[self.run_class(run)].rate
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
         """Up to k ids to follow `tokens`, and each one's path log-probability of acceptance."""
         self._learn(tokens)
-        chain, n = self._index.match(tokens, k)
+        chain, n, end = self._index.match_at(tokens, k)
         if not n or not chain:
             return [], []
-        self._last = (len(tokens), chain, n)
-        step = math.log(max(self.acceptance(n), 1e-9))
-        return chain, [d * step for d in range(1, len(chain) + 1)]
+        run = n  # how far the text agrees with the occurrence, back from the suffix
+        if n == self.max_n:
+            limit = min(self.max_n << (RUN_CLASSES - 1), end + 1)
+            while run < limit and tokens[-1 - run] == tokens[end - run]:
+                run += 1
+        self._last = (len(tokens), chain, run)
+        scores, score = [], 0.0
+        for d in range(len(chain)):  # the d-th token follows a run d longer, if all accepted
+            score += math.log(max(self.acceptance(run + d), 1e-9))
+            scores.append(score)
+        return chain, scores
 
     def _learn(self, tokens: list[int]) -> None:
         if self._last is None:
             return
-        length, chain, n = self._last
+        length, chain, run = self._last
         self._last = None
         truth = tokens[length:length + len(chain)]  # what the target chose after the chain's root
         matched = 0
         while matched < len(truth) and chain[matched] == truth[matched]:
             matched += 1
-        self.stats[n].observe(matched, len(truth))
+        for d in range(min(matched + 1, len(truth))):  # accepted ones, then the first miss
+            self.stats[self.run_class(run + d)].observe(int(d < matched), 1)
