@@ -32,11 +32,12 @@ Differences from TorchRuntime, all explicit errors rather than silent fallbacks:
 - hidden states: only the final normed layer (-1), which llama.cpp exposes as its embeddings,
   and only of output rows, whose logits it then computes too (an LM-head row each, ~3 ms for
   the default target here). forerun's llama.cpp patch (patches/*-hidden.patch) adds every
-  row's state without logits to the dense qwen2 and llama graphs (~1/n_layer more prefill: the
-  last layer's FFN over all rows): a `last_only` forward that wants hidden states (a head's
+  row's state without logits to the dense qwen2 and llama graphs (the last layer's FFN run
+  again over the rows wanted): a `last_only` forward that wants hidden states (a head's
   prefill) takes it, and its logits are plain's to the bit (with `hidden_from`, batch chunks
-  wholly before that row compute no states); elsewhere `hidden_rows_cost_logits` tells heads
-  to skip the prompt's;
+  wholly before that row compute no states, and in its own chunk the FFN skips the rows
+  before it: ~32 rows of one layer for an EAGLE window, not the whole chunk); elsewhere
+  `hidden_rows_cost_logits` tells heads to skip the prompt's;
 - a tree pass puts each row at start + its depth (positions are checked, not free); it keeps
   one branch at a time (`keep` of a root-to-node path; `truncate` into a tree pass only where its
   first rows form one); and has at most MAX_TREE_LEAVES leaves (ValueError above);
@@ -202,8 +203,10 @@ class _Weights:
 
 
 def _hidden_all_rows(model) -> tuple | None:
-    """The patch's (set, get) pair for every row's final normed hidden state, where this build
-    has it and the model's graph fills it (dense qwen2 and llama); else None."""
+    """The patch's (set, get, from) functions for every row's final normed hidden state, where
+    this build has them and the model's graph fills it (dense qwen2 and llama); else None.
+    `from` (None in builds before it) limits the next passes' rows to those from a batch row
+    on: the last layer's FFN then skips the rows before it."""
     try:
         lib = C._lib
         supported = lib.forerun_hidden_all_rows_supported
@@ -215,7 +218,10 @@ def _hidden_all_rows(model) -> tuple | None:
         return None
     on.argtypes, on.restype = [C.llama_context_p_ctypes, ctypes.c_bool], None
     get.argtypes, get.restype = [C.llama_context_p_ctypes], ctypes.POINTER(ctypes.c_float)
-    return on, get
+    rows_from = getattr(lib, "forerun_hidden_rows_from", None)
+    if rows_from is not None:
+        rows_from.argtypes, rows_from.restype = [C.llama_context_p_ctypes, ctypes.c_int32], None
+    return on, get, rows_from
 
 
 class LlamaCppRuntime:
@@ -498,14 +504,15 @@ class LlamaCppRuntime:
                 # a chunk wholly before hidden_from computes no hidden rows (with the patch,
                 # the last layer's FFN over every row of it); the chunks stay plain's
                 wants = want_hidden and end > hidden_from
-                self._hidden_mode(want_hidden, all_rows, wants)
+                self._hidden_mode(want_hidden, all_rows, wants, hidden_from - begin)
                 keep = (1 if end == T else 0) if last_only else end - begin
                 rows = end - begin if wants and not all_rows else keep
                 self._decode(ids[begin:end], start + begin, rows, tree)
                 if keep:
                     logits.append(self._read(C.llama_get_logits, rows, self.vocab_size, keep))
-                if wants and all_rows:
-                    hidden.append(self._read(all_rows[1], end - begin, self.dim, end - begin))
+                if wants and all_rows:  # the rows from hidden_from on (the others: not made)
+                    hidden.append(self._read(all_rows[1], end - begin, self.dim,
+                                             end - max(begin, hidden_from)))
                 elif wants:  # every row, even under last_only (a head's prefill needs them)
                     hidden.append(self._read(C.llama_get_embeddings, rows, self.dim, rows))
         except BaseException:
@@ -524,9 +531,14 @@ class LlamaCppRuntime:
             out.hidden[FINAL_NORMED] = rows[rows.shape[0] - max(0, T - hidden_from):]
         return out
 
-    def _hidden_mode(self, want_hidden: bool, all_rows: tuple | None, on: bool) -> None:
+    def _hidden_mode(self, want_hidden: bool, all_rows: tuple | None, on: bool,
+                     first_row: int = 0) -> None:
+        """Hidden states on or off for the next decode; with the patch's all-rows states, of
+        the batch's rows from first_row on (where the build can skip the others)."""
         if all_rows:
             all_rows[0](self._ctx, on)
+            if all_rows[2] is not None:
+                all_rows[2](self._ctx, max(0, first_row) if on else 0)
         elif want_hidden:
             C.llama_set_embeddings(self._ctx, on)
 
