@@ -13,9 +13,14 @@ the rests; `chainK`, the head's top-1 chain of K; `oracle`, the cut of the recor
 the most tokens per second for the acceptance it will see. Speedups are decode time only
 (plain: one pass a token). The head's features are those of plain decoding, which keep() makes
 equal to a speculative run's (the llama.cpp runtime compacts its cache after a tree).
+`--call-ms FIXED,ROW` also charges the automatic policies each head call's own cost, drafting
+or not (a fixed part and EAGLE's catch-up per feature since the last call), priced in the
+budget as `HeadProposer` prices it; `--rest MIN,MAX[,halve]` adds automatic policies with
+other rest schedules.
 
     python scripts/head_replay.py --heads DIR --runtime llama.cpp \\
-        --workload spec_bench:3 --workload editeval:4 --record /tmp/heads.jsonl
+        --workload spec_bench:3 --workload editeval:4 --record /tmp/heads.jsonl \\
+        --call-ms 3.4,0.27 --rest 4,16 --rest 4,64,halve
 """
 
 from __future__ import annotations

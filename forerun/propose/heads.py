@@ -84,14 +84,20 @@ MIN_IDLE, MAX_IDLE = 4, 64
 # EAGLE's catch-up over a prompt's features runs its layer over every row (Zen 3, w8a8: 0.3 s
 # for a 741-token prompt, profiled); it takes in the prompt's last this many tokens (fewer if
 # the head was trained on shorter windows). Zen 3, llama.cpp, 28.5k head, 4 EditEval + 2 rag +
-# 2 mt_bench prompts: the same accepted lengths with windows of 32, 64, 256 and every row; 32
-# it is (EPYC, int8: the layer costs 1.8 ms + 0.33 ms a row, paid on a reply's first step)
-PROMPT_WINDOW = 32
+# 2 mt_bench prompts: the same accepted lengths with windows of 32, 64, 256 and every row.
+# EPYC, llama.cpp, h125 head (int8: a call 3.4 ms + 0.27 ms a row caught up, and the target's
+# -hidden FFN over the window's prompt rows in the TTFT), its full trees recorded on 24
+# Spec-Bench and 8 EditEval replies (scripts/head_replay.py): windows of 32, 16 and 8 (this
+# and REST_WINDOW) accept the same (oracle cut, mt_bench / translation / summarization / qa
+# / math / rag / EditEval: 1.30 / 1.33 / 1.12 / 1.12 / 1.63 / 1.18 / 1.61
+# tokens a pass per category with 32, 1.30 / 1.33 / 1.12 / 1.12 / 1.60 / 1.18 / 1.61 with 16);
+# 16 it is, the cheaper first step and rests at no measured loss
+PROMPT_WINDOW = 16
 # After a rest, EAGLE takes in only the last this many of the features that waited (its cache
 # restarts there, as at a prompt's window): the catch-up costs a layer row per waiting feature
 # (EPYC, llama.cpp, a 28k head resting on a writing prompt: ~0.45 ms a generated token, the
-# floor's largest host cost), and windows of 32 drafted as well as every row (above).
-REST_WINDOW = 32
+# floor's largest host cost), and windows of 32 drafted as well as every row, 16 as 32 (above).
+REST_WINDOW = 16
 # target runtime -> (heads, (capacity, static?), (k cache, v cache, static steps)) of its last
 # EAGLE proposer
 _EAGLE_CACHES: WeakKeyDictionary = WeakKeyDictionary()
