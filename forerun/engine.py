@@ -70,8 +70,9 @@ def speculative_decode(target: Runtime, proposer: Proposer, policy: LengthPolicy
             target.keep(base, rows)
         tokens.extend(verdict.tokens)
         proposer.commit(len(tokens) - 1)
-        if layers:
-            proposer.feed({i: h[rows] for i, h in output.hidden.items()})
+        if layers:  # a chain's rows are a prefix: a view, not a gather (~0.09 ms a step)
+            keep = slice(len(rows)) if tree.is_chain else rows
+            proposer.feed({i: h[keep] for i, h in output.hidden.items()})
         # 5. Adapt the draft length, then emit what verification produced.
         drafted = max(tree.depth, default=0)  # tokens deep: a chain's length
         policy.update(drafted, len(path))
