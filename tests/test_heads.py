@@ -361,6 +361,18 @@ def test_lookup_branch_learns_its_acceptance_from_what_followed():
     assert branch.acceptance(2) == a2
 
 
+def test_lookup_branch_copies_the_occurrence_with_the_longest_run():
+    branch = LookupBranch(1, 2)
+    # the suffix [3, 4] occurred twice: latest followed by 11 after a 9 (run 2), earlier
+    # followed by 10 after a 2, as now (run 3): the earlier one is the copy in progress
+    seq = [1, 2, 3, 4, 10, 9, 3, 4, 11, 2, 3, 4]
+    chain, scores = branch.propose(seq, 2)
+    assert chain == [10, 9]
+    assert scores[0] == pytest.approx(math.log(branch.acceptance(3)))
+    branch.reset()
+    assert branch.propose([*seq[:-3], 9, 3, 4], 2)[0] == [11, 9]  # now the latest runs longer
+
+
 def test_heads_with_lookup_draft_the_continuation_as_a_path():
     target = tiny_runtime(0)
     prompt = [5, 6, 7, 8, 9, 5, 6, 7]
