@@ -11,7 +11,9 @@ occurrence) that prices its nodes.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import ClassVar
 
 import numpy as np
@@ -106,6 +108,23 @@ class SuffixIndex:
                 return tokens[end + 1:end + 1 + k], n, end
         return [], 0, -1
 
+    def longest_run(self, tokens: list[int], end: int, cap: int, tries: int) -> tuple[int, int]:
+        """Of the latest `tries` occurrences of `tokens`' max_n-token suffix (the latest ending
+        at `end`), the one that agrees with the text furthest back: (its end, that run, at
+        most cap tokens); ties go to the latest."""
+        best_end, best = end, self.max_n
+        at = end
+        for _ in range(tries):
+            run, limit = self.max_n, min(cap, at + 1)
+            while run < limit and tokens[-1 - run] == tokens[at - run]:
+                run += 1
+            if run > best:
+                best_end, best = at, run
+            at = self.prev.get(at, -1)
+            if at < 0:
+                break
+        return best_end, best
+
     def _extend(self, tokens: list[int]) -> None:
         old = len(self.seen)
         if old > len(tokens) or tokens[:old] != self.seen:
@@ -167,17 +186,18 @@ class LookupBranch:
     def reset(self) -> None:
         self._index.reset()
         self.stats = {n: AcceptanceEstimate(run_prior(n, self.max_n), PRIOR_TRIALS, LOOKUP_MEMORY)
-                      for n in self._runs()}
+                      for n in self._classes}
         self._last = None
 
-    def _runs(self) -> list[int]:
-        """The run classes: each suffix length below max_n, then max_n times 1, 2, 4, ..."""
-        longer = [self.max_n << i for i in range(RUN_CLASSES)]
-        return [*range(self.min_n, self.max_n), *longer]
+    @cached_property
+    def _classes(self) -> tuple[int, ...]:
+        """The run classes' lower bounds: each suffix length below max_n, then max_n times 1,
+        2, 4, ... (RUN_CLASSES of them)."""
+        return (*range(self.min_n, self.max_n), *(self.max_n << i for i in range(RUN_CLASSES)))
 
     def run_class(self, run: int) -> int:
         """The class a matched run of this length falls in (its lower bound)."""
-        return max(n for n in self.stats if n <= run)
+        return self._classes[bisect_right(self._classes, run) - 1]
 
     def acceptance(self, run: int) -> float:
         """The running per-token acceptance of continuations after a matched run this long."""
@@ -191,15 +211,8 @@ class LookupBranch:
             return [], []
         run = n  # how far the text agrees with the occurrence, back from the suffix
         if n == self.max_n:  # the occurrence (of the latest OCCURRENCES) with the longest run
-            best, at, tried = n, end, 0
-            while at >= 0 and tried < OCCURRENCES:
-                run, limit = n, min(self.max_n << (RUN_CLASSES - 1), at + 1)
-                while run < limit and tokens[-1 - run] == tokens[at - run]:
-                    run += 1
-                if run > best:
-                    best, end = run, at
-                at, tried = self._index.prev.get(at, -1), tried + 1
-            run, chain = best, tokens[end + 1:end + 1 + k]
+            end, run = self._index.longest_run(tokens, end, self._classes[-1], OCCURRENCES)
+            chain = tokens[end + 1:end + 1 + k]
         self._last = (len(tokens), chain, run)
         scores, score = [], 0.0
         for d in range(len(chain)):  # the d-th token follows a run d longer, if all accepted
