@@ -14,7 +14,8 @@ LLAMA_CMAKE_ARGS ?=
 # (multi-row q4_K/q6_K kernels for verify passes and prompts), -hidden (every row's hidden
 # state without its logits, for the heads), -q6k (q6_K weights repacked into 8-row interleaved
 # blocks on x86, one kernel for 1-4 activation rows), -vnni (AVX512-VNNI dot products in the
-# multi-row q4_K kernel, where the CPU has them)
+# multi-row q4_K kernel, where the CPU has them), -weights-tiled (a pass of several row groups
+# runs them all over one tile of the weights before the next; q4_K weights prefetched from 8 rows)
 LLAMA_PATCHES := $(sort $(wildcard patches/llama-cpp-python-$(LLAMA_VERSION)-*.patch))
 PROMPT ?= Refactor this function to use a dataclass:\n\ndef make_user(name, email, age):\n    return {\"name\": name, \"email\": email, \"age\": age}\n\ndef describe(user):\n    return f\"{user['name']} <{user['email']}> is {user['age']}\"
 

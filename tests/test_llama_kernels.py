@@ -9,7 +9,9 @@ setting in a child process (the kernels read their switches once per process):
   ggml's paths; on CPUs with AVX512-VNNI the q4_K kernel multiplies with VNNI (-vnni patch:
   the same integer sums, so the same bits). Since the -q6k patch, q6_K weights are repacked
   into 8-row interleaved blocks and every q6_K matmul, one row or many, takes one kernel
-  (GGML_Q6_K_REPACK=0 keeps ggml's layout and the kernels above). Since every row is then the
+  (GGML_Q6_K_REPACK=0 keeps ggml's layout and the kernels above). Since the -weights-tiled
+  patch, a pass of several row groups runs every group over one tile of the weights before the
+  next (GGML_FORERUN_TILE=0: each group over all of them, as before). Since every row is then the
   one-row kernel's (and, with the patch, a one-row attention past 512 cached tokens is no
   longer split by KV chunks where every thread has heads of its own), a verify pass of up to
   48 tokens gives plain decoding's logits, to the bit.
@@ -83,6 +85,15 @@ def test_avx2_multi_row_kernels_give_the_one_row_kernels_logits(kquant_gguf, tmp
         if int(n) <= 48:
             assert np.array_equal(fused[n], fused["one_by_one"][:int(n)]), n
     assert np.array_equal(loops["3"], loops["one_by_one"][:3])  # gemv rows only: exact too
+    # -weights-tiled: passes of several row groups run group by group over tiles of the weights
+    # (here 8 weight rows, the smallest tile, so this small model's matrices split too): the same
+    # kernels on the same operands, so the same bits as one call per group over every row
+    tiled = run_child(kquant_gguf, tmp_path / "tiled.npz", AVX2_PASSES, GGML_FORERUN_TILE="1")
+    for n in map(str, AVX2_PASSES):
+        assert np.array_equal(tiled[n], fused[n]), n
+    untiled = run_child(kquant_gguf, tmp_path / "untiled.npz", AVX2_PASSES, GGML_FORERUN_TILE="0")
+    for n in map(str, AVX2_PASSES):
+        assert np.array_equal(untiled[n], fused[n]), n
 
 
 AMX_PASSES = (2, 3, 5, 9, 12, 13, 25, 33)  # tokens a pass: one fused group, two, three; tiles
