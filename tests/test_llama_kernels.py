@@ -12,10 +12,11 @@ setting in a child process (the kernels read their switches once per process):
   (GGML_Q6_K_REPACK=0 keeps ggml's layout and the kernels above). Since the -weights-tiled
   patch, a pass of several row groups runs every group over one tile of the weights before the
   next (GGML_FORERUN_TILE=0: each group over all of them, as before), and with AVX-512 the
-  groups after the first take a zmm q4_K kernel (-zmm; GGML_Q4_K_ZMM=0: the ymm one). Since every row is then the
-  one-row kernel's (and, with the patch, a one-row attention past 512 cached tokens is no
-  longer split by KV chunks where every thread has heads of its own), a verify pass of up to
-  48 tokens gives plain decoding's logits, to the bit.
+  groups after the first take a zmm q4_K kernel (-zmm; GGML_Q4_K_ZMM=0: the ymm one). Since
+  every row is then the one-row kernel's (and, with the patch, a one-row attention past 512
+  cached tokens is no longer split by KV chunks where every thread has heads of its own), a
+  verify pass of up to 48 tokens gives plain decoding's logits, to the bit. The activations'
+  q8_K quantizer (-q8k-avx512) gives ggml's reference bytes.
 - AMX: the fused VNNI rows (GGML_AMX_VNNI_PER_ROW=1 restores the per-row loop,
   GGML_AMX_VNNI_ROWS=1 the tiles).
 """
@@ -136,3 +137,39 @@ def test_q6k_kernel_matches_ggml_and_is_exact_across_row_counts():
                          capture_output=True, text=True, timeout=120).stdout
     error = float(out.split("max relative difference")[1].split()[0])
     assert error < 1e-5 and "equal the one-row kernel to the bit" in out, out
+
+
+def test_q8k_activation_quantizer_equals_ggml_reference():
+    """-q8k-avx512: llama.cpp quantizes every activation row of a K-quant model's matmuls to q8_K;
+    the AVX-512 quantizer gives quantize_row_q8_K_ref's bytes (scale, quants, sums of 16) for
+    random rows, rows with a magnitude tie of opposite signs, exact halves after scaling and an
+    all-zero block (a build without AVX-512 calls the reference itself)."""
+    import ctypes
+
+    from forerun.runtime.llama_amx import library_dir
+
+    base = ctypes.CDLL(str(library_dir() / "libggml-base.so.0"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(str(library_dir() / "libggml-cpu.so.0"))
+    block = 4 + 256 + 2 * 16  # d, qs, bsums
+
+    def quantize(fn, x):
+        out = np.zeros(len(x) // 256 * block, np.uint8)
+        fn(x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+           ctypes.c_int64(len(x)))
+        return out
+
+    rng = np.random.default_rng(0)
+    for trial in range(600):
+        n = 256 * int(rng.integers(1, 12))
+        x = rng.standard_normal(n) * rng.choice([1e-3, 1.0, 30.0, 1e4])
+        if trial % 5 == 1:  # the largest magnitude twice, opposite signs: the first one counts
+            i, j = rng.integers(n, size=2)
+            x[i], x[j] = 5 * np.abs(x).max(), -5 * np.abs(x).max()
+        if trial % 5 == 2:  # values that scale to exact halves
+            x = rng.integers(-254, 255, n) / 254.0
+            x[0] = 1.0
+        if trial % 5 == 3:
+            x[:256] = 0
+        x = np.ascontiguousarray(x, np.float32)
+        assert np.array_equal(quantize(base.quantize_row_q8_K_ref, x),
+                              quantize(cpu.quantize_row_q8_K, x)), trial
