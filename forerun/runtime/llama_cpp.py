@@ -525,9 +525,11 @@ class LlamaCppRuntime:
         self._length, self._tree = start + T, tree
         if T == 0:
             logits, hidden = [torch.empty(0, self.vocab_size)], [torch.empty(0, self.dim)]
-        out = ForwardOutput(torch.cat(logits))  # [T, V] ([1, V] if last_only)
+        # one chunk (every decode step): its rows as read, not copied again by a cat
+        out = ForwardOutput(logits[0] if len(logits) == 1 else torch.cat(logits))  # [T, V]
         if want_hidden:  # [T - hidden_from, D]: the chunks' rows from hidden_from on
-            rows = torch.cat(hidden) if hidden else torch.empty(0, self.dim)
+            rows = (hidden[0] if len(hidden) == 1 else torch.cat(hidden)) if hidden else (
+                torch.empty(0, self.dim))
             out.hidden[FINAL_NORMED] = rows[rows.shape[0] - max(0, T - hidden_from):]
         return out
 
