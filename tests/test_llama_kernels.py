@@ -11,8 +11,8 @@ setting in a child process (the kernels read their switches once per process):
   into 8-row interleaved blocks and every q6_K matmul, one row or many, takes one kernel
   (GGML_Q6_K_REPACK=0 keeps ggml's layout and the kernels above). Since the -weights-tiled
   patch, a pass of several row groups runs every group over one tile of the weights before the
-  next (GGML_FORERUN_TILE=0: each group over all of them, as before), and with AVX-512 the
-  groups after the first take a zmm q4_K kernel (-zmm; GGML_Q4_K_ZMM=0: the ymm one). Since
+  next (GGML_FORERUN_TILE=0: each group over all of them, as before), and with AVX-512
+  groups of 8+ rows take a zmm q4_K kernel (-zmm; GGML_Q4_K_ZMM=0: the ymm one). Since
   every row is then the one-row kernel's (and, with the patch, a one-row attention past 512
   cached tokens is no longer split by KV chunks where every thread has heads of its own), a
   verify pass of up to 48 tokens gives plain decoding's logits, to the bit. The activations'
@@ -96,8 +96,8 @@ def test_avx2_multi_row_kernels_give_the_one_row_kernels_logits(kquant_gguf, tmp
     untiled = run_child(kquant_gguf, tmp_path / "untiled.npz", AVX2_PASSES, GGML_FORERUN_TILE="0")
     for n in map(str, AVX2_PASSES):
         assert np.array_equal(untiled[n], fused[n]), n
-    # -zmm (AVX-512 builds): the later groups of 17-64-row passes above took the zmm kernel; the
-    # ymm one gives the same bits
+    # -zmm (AVX-512 builds): the groups of 8+ rows of the 9-64-row passes above took the zmm
+    # kernel; the ymm one gives the same bits
     ymm = run_child(kquant_gguf, tmp_path / "ymm.npz", AVX2_PASSES, GGML_Q4_K_ZMM="0")
     for n in map(str, AVX2_PASSES):
         assert np.array_equal(ymm[n], fused[n]), n
