@@ -224,6 +224,14 @@ def _hidden_all_rows(model) -> tuple | None:
     return on, get, rows_from
 
 
+def _joined(chunks: list[torch.Tensor], width: int) -> torch.Tensor:
+    """The chunks' rows in one [rows, width] tensor: a single chunk (every decode step) as
+    read, not copied again by a cat; none: no rows."""
+    if not chunks:
+        return torch.empty(0, width)
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
 class LlamaCppRuntime:
     """Runtime over a llama.cpp context: one sequence, a KV cache of `capacity` positions."""
 
@@ -523,13 +531,9 @@ class LlamaCppRuntime:
         finally:
             self._hidden_mode(want_hidden, all_rows, False)
         self._length, self._tree = start + T, tree
-        if T == 0:
-            logits, hidden = [torch.empty(0, self.vocab_size)], [torch.empty(0, self.dim)]
-        # one chunk (every decode step): its rows as read, not copied again by a cat
-        out = ForwardOutput(logits[0] if len(logits) == 1 else torch.cat(logits))  # [T, V]
+        out = ForwardOutput(_joined(logits, self.vocab_size))  # [T, V] ([1, V] if last_only)
         if want_hidden:  # [T - hidden_from, D]: the chunks' rows from hidden_from on
-            rows = (hidden[0] if len(hidden) == 1 else torch.cat(hidden)) if hidden else (
-                torch.empty(0, self.dim))
+            rows = _joined(hidden, self.dim)
             out.hidden[FINAL_NORMED] = rows[rows.shape[0] - max(0, T - hidden_from):]
         return out
 
