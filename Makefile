@@ -17,7 +17,8 @@ LLAMA_CMAKE_ARGS ?=
 # multi-row q4_K kernel, where the CPU has them), -weights-tiled (a pass of several row groups
 # runs them all over one tile of the weights before the next; q4_K weights prefetched from 8 rows),
 # -zmm (AVX-512: the multi-row q4_K kernel on two weight blocks at once, for 8+ rows),
-# -q8k-avx512 (the activations' q8_K quantizer in AVX-512, the reference's bytes)
+# -q8k-avx512 (the activations' q8_K quantizer in AVX-512, the reference's bytes), -x86-q6k-pairs
+# (without VNNI, the q6_K kernel sums two steps' products in 16 bits: three multiplies in four)
 LLAMA_PATCHES := $(sort $(wildcard patches/llama-cpp-python-$(LLAMA_VERSION)-*.patch))
 PROMPT ?= Refactor this function to use a dataclass:\n\ndef make_user(name, email, age):\n    return {\"name\": name, \"email\": email, \"age\": age}\n\ndef describe(user):\n    return f\"{user['name']} <{user['email']}> is {user['age']}\"
 

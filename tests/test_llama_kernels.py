@@ -121,9 +121,10 @@ def test_fused_vnni_rows_give_the_one_row_kernel_s_logits(kquant_gguf, tmp_path)
 
 
 def test_q6k_kernel_matches_ggml_and_is_exact_across_row_counts():
-    """-q6k: the interleaved q6_K kernel against ggml's generic one on random blocks (relative
-    error < 1e-5) and 1-4 activation rows against one (to the bit); scripts/q6k_kernel_check.py
-    through ctypes, where the build has the kernel (x86 with AVX2)."""
+    """-q6k: the interleaved q6_K kernel against ggml's generic one on random blocks and on the
+    extremes of its integer sums (relative error < 1e-5; -x86-q6k-pairs adds two steps'
+    products in 16 bits without VNNI) and 1-4 activation rows against one (to the bit);
+    scripts/q6k_kernel_check.py through ctypes, where the build has the kernel (x86, AVX2)."""
     import ctypes
     from pathlib import Path
 
@@ -137,6 +138,7 @@ def test_q6k_kernel_matches_ggml_and_is_exact_across_row_counts():
                          capture_output=True, text=True, timeout=120).stdout
     error = float(out.split("max relative difference")[1].split()[0])
     assert error < 1e-5 and "equal the one-row kernel to the bit" in out, out
+    assert "extreme values vs generic" in out, out  # the integer sums' limits (asserted there)
 
 
 def test_q8k_activation_quantizer_equals_ggml_reference():
