@@ -10,7 +10,7 @@ LLAMA_VERSION := 0.3.36
 LLAMA_BUILD := build/llama-cpp-python
 LLAMA_SRC := $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_VERSION)
 LLAMA_CMAKE_ARGS ?=
-# our changes to it, applied in name order: -amx (AMX tile fixes and kernel choice), -avx2
+# our changes to it, applied in this order: -amx (AMX tile fixes and kernel choice), -avx2
 # (multi-row q4_K/q6_K kernels for verify passes and prompts), -hidden (every row's hidden
 # state without its logits, for the heads), -q6k (q6_K weights repacked into 8-row interleaved
 # blocks on x86, one kernel for 1-4 activation rows), -vnni (AVX512-VNNI dot products in the
@@ -18,8 +18,12 @@ LLAMA_CMAKE_ARGS ?=
 # runs them all over one tile of the weights before the next; q4_K weights prefetched from 8 rows),
 # -zmm (AVX-512: the multi-row q4_K kernel on two weight blocks at once, for 8+ rows),
 # -q8k-avx512 (the activations' q8_K quantizer in AVX-512, the reference's bytes), -x86-q6k-pairs
-# (without VNNI, the q6_K kernel sums two steps' products in 16 bits: three multiplies in four)
-LLAMA_PATCHES := $(sort $(wildcard patches/llama-cpp-python-$(LLAMA_VERSION)-*.patch))
+# (without VNNI, the q6_K kernel sums two steps' products in 16 bits: three multiplies in four),
+# -x86-stream-prefetch (without AVX-512 VNNI: the q4_K and q6_K kernels prefetch the weights
+# they stream, and one-row q4_K passes take the multi-row kernel)
+LLAMA_PATCH_NAMES := amx avx2 hidden q6k q8k-avx512 vnni weights-tiled zmm x86-q6k-pairs \
+	x86-stream-prefetch
+LLAMA_PATCHES := $(foreach p,$(LLAMA_PATCH_NAMES),patches/llama-cpp-python-$(LLAMA_VERSION)-$(p).patch)
 PROMPT ?= Refactor this function to use a dataclass:\n\ndef make_user(name, email, age):\n    return {\"name\": name, \"email\": email, \"age\": age}\n\ndef describe(user):\n    return f\"{user['name']} <{user['email']}> is {user['age']}\"
 
 .PHONY: install run test lint clean

@@ -12,7 +12,9 @@ setting in a child process (the kernels read their switches once per process):
   (GGML_Q6_K_REPACK=0 keeps ggml's layout and the kernels above). Since the -weights-tiled
   patch, a pass of several row groups runs every group over one tile of the weights before the
   next (GGML_FORERUN_TILE=0: each group over all of them, as before), and with AVX-512
-  groups of 8+ rows take a zmm q4_K kernel (-zmm; GGML_Q4_K_ZMM=0: the ymm one). Since
+  groups of 8+ rows take a zmm q4_K kernel (-zmm; GGML_Q4_K_ZMM=0: the ymm one). Without
+  AVX-512 VNNI, one-row q4_K passes take the multi-row kernel too, which prefetches the weights
+  as the q6_K one does (-x86-prefetch; GGML_Q4_K_COLS_MIN=2 and GGML_Q6_K_PREFETCH=0). Since
   every row is then the one-row kernel's (and, with the patch, a one-row attention past 512
   cached tokens is no longer split by KV chunks where every thread has heads of its own), a
   verify pass of up to 48 tokens gives plain decoding's logits, to the bit. The activations'
@@ -22,6 +24,7 @@ setting in a child process (the kernels read their switches once per process):
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -101,6 +104,12 @@ def test_avx2_multi_row_kernels_give_the_one_row_kernels_logits(kquant_gguf, tmp
     ymm = run_child(kquant_gguf, tmp_path / "ymm.npz", AVX2_PASSES, GGML_Q4_K_ZMM="0")
     for n in map(str, AVX2_PASSES):
         assert np.array_equal(ymm[n], fused[n]), n
+    # -x86-prefetch (builds without AVX-512 VNNI): one-row q4_K passes take the multi-row kernel
+    # and it and the q6_K kernel prefetch the weights; ggml's gemv and no prefetch, the same bits
+    gemv = run_child(kquant_gguf, tmp_path / "gemv.npz", AVX2_PASSES, GGML_Q4_K_COLS_MIN="2",
+                     GGML_FORERUN_PREFETCH_ROWS="8", GGML_Q6_K_PREFETCH="0")
+    for n in [*map(str, AVX2_PASSES), "one_by_one"]:
+        assert np.array_equal(gemv[n], fused[n]), n
 
 
 AMX_PASSES = (2, 3, 5, 9, 12, 13, 25, 33)  # tokens a pass: one fused group, two, three; tiles
@@ -175,3 +184,17 @@ def test_q8k_activation_quantizer_equals_ggml_reference():
         x = np.ascontiguousarray(x, np.float32)
         assert np.array_equal(quantize(base.quantize_row_q8_K_ref, x),
                               quantize(cpu.quantize_row_q8_K, x)), trial
+
+
+def test_makefile_applies_every_patch_in_its_list():
+    """`make install` applies the patches in the Makefile's order (LLAMA_PATCH_NAMES: each was
+    made against the ones before it); a patch file left out of that list would never apply."""
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    text = root.joinpath("Makefile").read_text().replace("\\\n", " ")
+    names = next(line for line in text.splitlines() if line.startswith("LLAMA_PATCH_NAMES"))
+    listed = names.split(":=")[1].split()
+    on_disk = sorted(re.sub(r"^llama-cpp-python-[\d.]+-", "", p.stem)
+                     for p in root.joinpath("patches").glob("*.patch"))
+    assert sorted(listed) == on_disk and len(set(listed)) == len(listed), (listed, on_disk)
