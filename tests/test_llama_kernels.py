@@ -151,10 +151,11 @@ def test_q6k_kernel_matches_ggml_and_is_exact_across_row_counts():
 
 
 def test_q8k_activation_quantizer_equals_ggml_reference():
-    """-q8k-avx512: llama.cpp quantizes every activation row of a K-quant model's matmuls to q8_K;
-    the AVX-512 quantizer gives quantize_row_q8_K_ref's bytes (scale, quants, sums of 16) for
-    random rows, rows with a magnitude tie of opposite signs, exact halves after scaling and an
-    all-zero block (a build without AVX-512 calls the reference itself)."""
+    """-q8k-avx512 and -x86-q8k-avx2: llama.cpp quantizes every activation row of a K-quant
+    model's matmuls to q8_K; the AVX-512 and AVX2 quantizers give quantize_row_q8_K_ref's bytes
+    (scale, quants, sums of 16) for random rows, rows with a magnitude tie of opposite signs,
+    exact halves after scaling, an all-zero block, negative zeros and infinities (a build
+    without AVX2 calls the reference itself)."""
     import ctypes
 
     from forerun.runtime.llama_amx import library_dir
@@ -181,6 +182,9 @@ def test_q8k_activation_quantizer_equals_ggml_reference():
             x[0] = 1.0
         if trial % 5 == 3:
             x[:256] = 0
+            x[:256:3] = -0.0
+        if trial % 25 == 4:  # an infinity in the last block (its scale is 0: the ref's path)
+            x[-int(rng.integers(1, 256))] = rng.choice([np.inf, -np.inf])
         x = np.ascontiguousarray(x, np.float32)
         assert np.array_equal(quantize(base.quantize_row_q8_K_ref, x),
                               quantize(cpu.quantize_row_q8_K, x)), trial
