@@ -14,11 +14,11 @@ setting in a child process (the kernels read their switches once per process):
   next (GGML_FORERUN_TILE=0: each group over all of them, as before), and with AVX-512
   groups of 8+ rows take a zmm q4_K kernel (-zmm; GGML_Q4_K_ZMM=0: the ymm one). Without
   AVX-512 VNNI, one-row q4_K passes take the multi-row kernel too, which prefetches the weights
-  as the q6_K one does (-x86-prefetch; GGML_Q4_K_COLS_MIN=2 and GGML_Q6_K_PREFETCH=0). Since
+  as the q6_K one does (-x86-stream-prefetch; GGML_Q4_K_COLS_MIN=2, GGML_Q6_K_PREFETCH=0). Since
   every row is then the one-row kernel's (and, with the patch, a one-row attention past 512
   cached tokens is no longer split by KV chunks where every thread has heads of its own), a
   verify pass of up to 48 tokens gives plain decoding's logits, to the bit. The activations'
-  q8_K quantizer (-q8k-avx512) gives ggml's reference bytes.
+  q8_K quantizer (-q8k-avx512, -x86-q8k-avx2) gives ggml's reference bytes.
 - AMX: the fused VNNI rows (GGML_AMX_VNNI_PER_ROW=1 restores the per-row loop,
   GGML_AMX_VNNI_ROWS=1 the tiles).
 """
@@ -104,8 +104,9 @@ def test_avx2_multi_row_kernels_give_the_one_row_kernels_logits(kquant_gguf, tmp
     ymm = run_child(kquant_gguf, tmp_path / "ymm.npz", AVX2_PASSES, GGML_Q4_K_ZMM="0")
     for n in map(str, AVX2_PASSES):
         assert np.array_equal(ymm[n], fused[n]), n
-    # -x86-prefetch (builds without AVX-512 VNNI): one-row q4_K passes take the multi-row kernel
-    # and it and the q6_K kernel prefetch the weights; ggml's gemv and no prefetch, the same bits
+    # -x86-stream-prefetch (builds without AVX-512 VNNI): one-row q4_K passes take the multi-row
+    # kernel, and it and the q6_K kernel prefetch the weights; ggml's gemv and no prefetch: the
+    # same bits
     gemv = run_child(kquant_gguf, tmp_path / "gemv.npz", AVX2_PASSES, GGML_Q4_K_COLS_MIN="2",
                      GGML_FORERUN_PREFETCH_ROWS="8", GGML_Q6_K_PREFETCH="0")
     for n in [*map(str, AVX2_PASSES), "one_by_one"]:
