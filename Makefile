@@ -22,9 +22,11 @@ LLAMA_CMAKE_ARGS ?=
 # -x86-stream-prefetch (without AVX-512 VNNI: the q4_K and q6_K kernels prefetch the weights
 # they stream, and one-row q4_K passes take the multi-row kernel), -x86-q8k-avx2 (the q8_K
 # quantizer in AVX2, the reference's bytes; a block with an infinity takes the reference),
-# -x86-q6k-offset (the q6_K kernel takes its -32 offset off once a block, not once a group)
+# -x86-q6k-offset (the q6_K kernel takes its -32 offset off once a block, not once a group),
+# -x86-avx2-rows (without VNNI: the q4_K and q6_K kernels hold one step's weights in registers
+# over all the rows, broadcast activations by load, and q6_K takes up to 8 rows a call)
 LLAMA_PATCH_NAMES := amx avx2 hidden q6k q8k-avx512 vnni weights-tiled zmm x86-q6k-pairs \
-	x86-stream-prefetch x86-q8k-avx2 x86-q6k-offset
+	x86-stream-prefetch x86-q8k-avx2 x86-q6k-offset x86-avx2-rows
 LLAMA_PATCHES := $(foreach p,$(LLAMA_PATCH_NAMES),patches/llama-cpp-python-$(LLAMA_VERSION)-$(p).patch)
 PROMPT ?= Refactor this function to use a dataclass:\n\ndef make_user(name, email, age):\n    return {\"name\": name, \"email\": email, \"age\": age}\n\ndef describe(user):\n    return f\"{user['name']} <{user['email']}> is {user['age']}\"
 

@@ -18,7 +18,9 @@ setting in a child process (the kernels read their switches once per process):
   every row is then the one-row kernel's (and, with the patch, a one-row attention past 512
   cached tokens is no longer split by KV chunks where every thread has heads of its own), a
   verify pass of up to 48 tokens gives plain decoding's logits, to the bit. The activations'
-  q8_K quantizer (-q8k-avx512, -x86-q8k-avx2) gives ggml's reference bytes.
+  q8_K quantizer (-q8k-avx512, -x86-q8k-avx2) gives ggml's reference bytes. Without VNNI the
+  q4_K and q6_K kernels sum the same integers in another order (-x86-avx2-rows), so the same
+  bits again, and q6_K passes go in groups of up to 8 rows instead of 4.
 - AMX: the fused VNNI rows (GGML_AMX_VNNI_PER_ROW=1 restores the per-row loop,
   GGML_AMX_VNNI_ROWS=1 the tiles).
 """
@@ -133,7 +135,7 @@ def test_fused_vnni_rows_give_the_one_row_kernel_s_logits(kquant_gguf, tmp_path)
 def test_q6k_kernel_matches_ggml_and_is_exact_across_row_counts():
     """-q6k: the interleaved q6_K kernel against ggml's generic one on random blocks and on the
     extremes of its integer sums (relative error < 1e-5; -x86-q6k-pairs adds two steps'
-    products in 16 bits without VNNI) and 1-4 activation rows against one (to the bit);
+    products in 16 bits without VNNI) and 1-8 activation rows against one (to the bit);
     scripts/q6k_kernel_check.py through ctypes, where the build has the kernel (x86, AVX2)."""
     import ctypes
     from pathlib import Path
