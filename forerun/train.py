@@ -186,6 +186,26 @@ MORE_TASKS = (("Python", "removes duplicates from a list while keeping the order
               ("Rust", "parses an integer from a string with error handling"))
 
 
+# the third set (after the first 390): the same families in other combinations (explanations for
+# beginners and children, code in other languages and its tests, every writing form and role
+# question not yet paired, translation into other languages, more word problems, questions on
+# the standard library's docstrings and functions) and the facts below; written for this file
+MORE_FACTS = ("Who wrote One Hundred Years of Solitude?", "What is the capital of Canada?",
+              "How many continents are there?", "Who painted The Starry Night?",
+              "What gas do plants absorb from the air?", "Who was the first emperor of Rome?",
+              "What is the hardest natural substance?", "In which country are the pyramids of "
+              "Giza?", "Who wrote the play Hamlet?", "What is the freezing point of water in "
+              "Celsius?", "Which organ pumps blood through the body?", "Who proposed the "
+              "theory of evolution by natural selection?", "What is the largest desert in the "
+              "world?", "How many strings does a standard guitar have?", "Which ocean lies "
+              "between Africa and Australia?", "Who was the first woman to win a Nobel Prize?",
+              "What is the main ingredient of guacamole?", "Which language has the most native "
+              "speakers?", "What does a thermometer measure?", "Who built the first practical "
+              "light bulb?", "What is the capital of Kenya?", "How many minutes are in a day?",
+              "Which metal is liquid at room temperature?", "Who wrote The Little Prince?")
+OTHER_LANGUAGES = ("JavaScript", "Go", "Rust", "Java", "C++", "TypeScript", "Python", "C#")
+
+
 @functools.cache
 def chat_prompts() -> tuple[str, ...]:
     """CHAT_PROMPTS, then generated ones in a fixed order: explanations, code, translations,
@@ -231,7 +251,37 @@ def chat_prompts() -> tuple[str, ...]:
     out += [f"{d}\n\n{PASSAGE_ASKS[i % len(PASSAGE_ASKS)]}" for i, d in enumerate(docs[2::3][:40])]
     out += [f"Please {EDITS[i % len(EDITS)]} for this function:\n\n```python\n{f}\n```"
             for i, f in enumerate(functions[5::17][:40])]
-    return tuple(out)
+    # the third set, appended for the same reason
+    out += [f"Explain {topic} to a beginner, with one concrete example." for topic in EXPLAIN]
+    out += [f"Explain {c} to a ten-year-old." for c in CONCEPTS]
+    out += [f"Give three real-world examples of {c}, one sentence each." for c in CONCEPTS]
+    tasks = TASKS + MORE_TASKS
+    out += [f"Write a {lang} function that {task}."
+            for i, (first, task) in enumerate(tasks)
+            for lang in [next(x for j, x in enumerate(OTHER_LANGUAGES * 2)
+                              if j >= i % len(OTHER_LANGUAGES) and x != first)]]
+    out += [f"Write pytest unit tests for a Python function that {task}."
+            for lang, task in tasks if lang == "Python"]
+    paired = {(i % len(FORMS), (i * 3) % len(SUBJECTS)) for i in range(40)}
+    out += [f"Write {FORMS[f]} about {SUBJECTS[t]}." for t in range(len(SUBJECTS))
+            for f in range(len(FORMS)) if (f, t) not in paired][:60]
+    paired = {(i % len(ROLES), (i * 5) % len(ROLE_QUESTIONS)) for i in range(20)}
+    out += [f"Pretend to be {ROLES[r]} in this conversation and answer as they would: "
+            f"{ROLE_QUESTIONS[q]}" for q in range(len(ROLE_QUESTIONS))
+            for r in range(len(ROLES)) if (r, q) not in paired][:40]
+    out += list(MORE_FACTS)
+    paired = {(i % len(LANGUAGES), i % len(SENTENCES)) for i in range(2 * len(SENTENCES))}
+    out += [f"Translate into {LANGUAGES[g]}: {SENTENCES[t]}" for t in range(len(SENTENCES))
+            for g in range(len(LANGUAGES)) if (g, t) not in paired]
+    out += [PROBLEMS[i % len(PROBLEMS)].format(a=3 + (i * 7) % 11, b=2 + (i * 5) % 9)
+            for i in range(36, 96)]
+    out += [f"Explain what this module does, for a new contributor:\n\n{d}"
+            for d in docs[::3][16:56]]
+    out += [f"Explain what this function does, step by step:\n\n```python\n{f}\n```"
+            for f in functions[9::17][:40]]
+    out += [f"Write unit tests for this function:\n\n```python\n{f}\n```"
+            for f in functions[13::17][:30]]
+    return tuple(dict.fromkeys(out))  # in order, each once
 
 
 @dataclass(frozen=True)
