@@ -258,8 +258,7 @@ def chat_prompts() -> tuple[str, ...]:
     tasks = TASKS + MORE_TASKS
     out += [f"Write a {lang} function that {task}."
             for i, (first, task) in enumerate(tasks)
-            for lang in [next(x for j, x in enumerate(OTHER_LANGUAGES * 2)
-                              if j >= i % len(OTHER_LANGUAGES) and x != first)]]
+            for lang in [other_language(i, first)]]
     out += [f"Write pytest unit tests for a Python function that {task}."
             for lang, task in tasks if lang == "Python"]
     paired = {(i % len(FORMS), (i * 3) % len(SUBJECTS)) for i in range(40)}
@@ -281,7 +280,13 @@ def chat_prompts() -> tuple[str, ...]:
             for f in functions[9::17][:40]]
     out += [f"Write unit tests for this function:\n\n```python\n{f}\n```"
             for f in functions[13::17][:30]]
-    return tuple(dict.fromkeys(out))  # in order, each once
+    return tuple(out)
+
+
+def other_language(i: int, first: str) -> str:
+    """OTHER_LANGUAGES[i], cyclically, or the next one where that is `first`."""
+    n = len(OTHER_LANGUAGES)
+    return OTHER_LANGUAGES[(i + (OTHER_LANGUAGES[i % n] == first)) % n]
 
 
 @dataclass(frozen=True)
