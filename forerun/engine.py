@@ -6,6 +6,7 @@ verification feeds [pending, draft...] in one forward pass, and rollback is a tr
 accepted prefix. A tree draft is verified in the same single pass (tree mask and positions)
 and its cache compacted to the accepted path. Proposers that draft from the target's features
 (heads) name the layers they need and are fed them for every token that enters the cache.
+Each verify pass is timed and shown to the target's calibrated cost curve, which prices drafts.
 Knows nothing of text: tokens in, tokens out.
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from forerun.metrics import Step
 from forerun.policy import LengthPolicy
+from forerun.profile import observe_pass
 from forerun.propose.base import Proposer
 from forerun.reference import prefill
 from forerun.runtime.base import Runtime
@@ -54,7 +56,10 @@ def speculative_decode(target: Runtime, proposer: Proposer, policy: LengthPolicy
         feed = torch.cat([torch.tensor(tokens[-1:]), draft.tokens])  # [N+1]
         shape = {} if tree.is_chain else {"positions": tree.positions(base),
                                           "tree_mask": tree.mask()}
+        started = time.perf_counter()
         output = target.forward(feed, hidden_layers=layers, **shape)
+        if output.logits.device.type == "cpu":  # timed: a GPU's pass may still be running
+            observe_pass(target, len(feed), time.perf_counter() - started)
         if sampling.greedy:  # T = 0 of the samplers below, from the argmax alone
             verdict = greedy_accept(tree, draft.tokens, output.logits.argmax(-1))  # [N+1]
         else:

@@ -14,6 +14,11 @@ llama.cpp one: model file, build, threads, machine) also finds and keeps its cur
 `$FORERUN_HOME/curves/`, for CURVE_MAX_AGE_S: a new process skips those passes (~13 s for the
 default target on 2 cores). FORERUN_CURVE_CACHE=0 turns that off. A stale curve prices drafts
 a little wrong; it never changes what is generated.
+The curve `calibrated_curve` hands out is a `LiveCurve`: the decode loop shows it each verify
+pass it times (`observe_pass`), and each size it has seen is priced at its calibration times the
+running ratio of seen to calibrated seconds. A curve measured while the machine was busy (a
+one-token pass slowed more than a longer one makes every draft look cheap) is corrected by the
+passes that follow, in every process that loads it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ CALIBRATION_REPS = 5
 CALIBRATION_WARMUP = 1  # untimed forwards per size first (allocator, kernel selection)
 DENSE_SIZES = 4  # calibrate every size up to this, then doubling sizes and the largest one
 CURVE_MAX_AGE_S = 24 * 3600  # a curve cached on disk is measured again after this
+# LiveCurve: a size's ratio of seen to calibrated seconds is the mean of its first 1/LIVE_WEIGHT
+# passes, then a running average giving the newest this weight; one pass moves it at most
+# LIVE_CLIP-fold (a pass stalled by the machine is not a new speed)
+LIVE_WEIGHT = 0.1
+LIVE_CLIP = 2.0
 
 
 @dataclass(frozen=True)
@@ -114,7 +124,64 @@ def measure_forward_curve(runtime: Runtime, sizes: tuple[int, ...] = (1, 2, 4, 8
     return ForwardCurve(sizes, tuple(seconds))
 
 
-_curves: WeakKeyDictionary[Runtime, ForwardCurve] = WeakKeyDictionary()
+class LiveCurve:
+    """A calibrated ForwardCurve corrected by the passes it has been shown (`observe`).
+
+    Each size seen keeps a ratio seen / calibrated seconds; a size not seen takes the ratio
+    interpolated between the nearest seen sizes (the nearest one's past either end), so with
+    one size seen the whole curve scales by its ratio and its shape stays the calibration's.
+    """
+
+    def __init__(self, base: ForwardCurve):
+        self.base = base
+        self.sizes, self.seconds = base.sizes, base.seconds  # the calibration's points
+        self._ratio: dict[int, float] = {}  # size seen -> running seen / calibrated seconds
+        self._count: dict[int, int] = {}
+        self._seen: list[int] = []  # the sizes seen, sorted
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        """One timed forward pass over n_tokens new tokens."""
+        calibrated = self.base(n_tokens)
+        if n_tokens < 1 or seconds <= 0 or calibrated <= 0:
+            return
+        count = self._count.get(n_tokens, 0) + 1
+        old = self._ratio.get(n_tokens, 1.0)
+        ratio = min(max(seconds / calibrated, old / LIVE_CLIP), old * LIVE_CLIP)
+        self._ratio[n_tokens] = old + max(LIVE_WEIGHT, 1 / count) * (ratio - old)
+        self._count[n_tokens] = count
+        if count == 1:
+            self._seen = sorted(self._ratio)
+
+    def ratio(self, n_tokens: float) -> float:
+        """Seen / calibrated seconds at n_tokens (1 before any pass was seen)."""
+        seen = self._seen
+        if not seen:
+            return 1.0
+        i = bisect_right(seen, n_tokens)
+        if i == 0:
+            return self._ratio[seen[0]]
+        if i == len(seen) or seen[i - 1] == n_tokens:
+            return self._ratio[seen[i - 1]]
+        lo, hi = seen[i - 1], seen[i]
+        t = (n_tokens - lo) / (hi - lo)
+        return self._ratio[lo] + t * (self._ratio[hi] - self._ratio[lo])
+
+    def __call__(self, n_tokens: float) -> float:
+        return self.base(n_tokens) * self.ratio(n_tokens)
+
+    def to_dict(self) -> dict:
+        return {**self.base.to_dict(),
+                "seen": {n: [round(self._ratio[n], 4), self._count[n]] for n in self._seen}}
+
+
+def observe_pass(runtime: Runtime, n_tokens: int, seconds: float) -> None:
+    """Show the runtime's calibrated curve (if it has one) a timed verify pass."""
+    curve = _curves.get(runtime)
+    if curve is not None:
+        curve.observe(n_tokens, seconds)
+
+
+_curves: WeakKeyDictionary[Runtime, LiveCurve] = WeakKeyDictionary()
 
 
 def calibration_sizes(max_tokens: int) -> tuple[int, ...]:
@@ -126,16 +193,17 @@ def calibration_sizes(max_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(sizes | {max_tokens}))
 
 
-def cached_curve(runtime: Runtime) -> ForwardCurve | None:
+def cached_curve(runtime: Runtime) -> LiveCurve | None:
     """The curve `calibrated_curve` measured for this runtime, if it has."""
     return _curves.get(runtime)
 
 
-def calibrated_curve(runtime: Runtime, max_tokens: int) -> ForwardCurve:
-    """The runtime's curve up to `max_tokens`, measured at its first use and then cached.
+def calibrated_curve(runtime: Runtime, max_tokens: int) -> LiveCurve:
+    """The runtime's curve up to `max_tokens`, measured at its first use and then cached,
+    corrected by the passes the decode loop shows it since (`observe_pass`).
 
-    Measures again (and replaces the cached curve) only when a larger size is asked for.
-    Empties the runtime's cache when it measures.
+    Measures again (and replaces the cached curve, and what it had seen) only when a larger
+    size is asked for. Empties the runtime's cache when it measures.
     """
     max_tokens = min(max_tokens, runtime.capacity)
     curve = _curves.get(runtime)
@@ -148,7 +216,7 @@ def calibrated_curve(runtime: Runtime, max_tokens: int) -> ForwardCurve:
                                           statistic=min)
             if key:
                 _save_curve(key, curve)
-        _curves[runtime] = curve
+        curve = _curves[runtime] = LiveCurve(curve)
     return curve
 
 

@@ -16,11 +16,15 @@ equal to a speculative run's (the llama.cpp runtime compacts its cache after a t
 `--call-ms FIXED,ROW` also charges the automatic policies each head call's own cost, drafting
 or not (a fixed part and EAGLE's catch-up per feature since the last call), priced in the
 budget as `HeadProposer` prices it; `--rest MIN,MAX[,halve]` adds automatic policies with
-other rest schedules.
+other rest schedules, `--start S` one whose calibration scale starts at S. `--curve FILE`
+replays under another verify curve (a `scripts/gpu_check.py --json` file's target curve):
+the acceptance recorded here priced at a GPU's costs, a projection, not a run.
 
     python scripts/head_replay.py --heads DIR --runtime llama.cpp \\
         --workload spec_bench:3 --workload editeval:4 --record /tmp/heads.jsonl \\
-        --call-ms 3.4,0.27 --rest 4,16 --rest 4,64,halve
+        --call-ms 3.4,0.27 --rest 4,16 --rest 4,64,halve --start 0.8
+    python scripts/head_replay.py --heads DIR --record /tmp/heads.jsonl \\
+        --curve docs/gpu_check_h100_1128.json --level-ms 0.28 --call-ms 0.3,0
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ import torch
 import forerun.propose.heads as head_module
 from forerun.api import Engine, LoadConfig
 from forerun.bench.workloads import sample_workloads
-from forerun.profile import calibrated_curve
+from forerun.profile import ForwardCurve, calibrated_curve
 from forerun.propose import SpecConfig
 from forerun.propose.base import Draft
 from forerun.propose.heads import (
     CALIBRATION_MEMORY,
     CALIBRATION_PRIOR,
+    CALIBRATION_START,
     CATCHUP_ROWS,
     MAX_IDLE,
     MIN_IDLE,
@@ -128,12 +133,14 @@ def top_chain(step: dict, k: int) -> list[int]:
 
 
 def replay(rec: dict, policy: str, verify, level: float, call: tuple[float, float] = (0, 0),
-           rest: tuple[int, int, bool] = (MIN_IDLE, MAX_IDLE, False)) -> tuple[float, int, int]:
+           rest: tuple[int, int, bool] = (MIN_IDLE, MAX_IDLE, False),
+           start: float = CALIBRATION_START) -> tuple[float, int, int]:
     """Seconds for out[1:] after prefill, target passes, drafted nodes. `call`: a head call's
     fixed seconds and seconds a feature caught up (the features since its last call, at most
     REST_WINDOW after a rest, PROMPT_WINDOW at the first), paid by the automatic policies on
     every call, drafting or not (0, 0: levels only); `rest`: (MIN_IDLE, MAX_IDLE, whether a
-    draft halves the next rest instead of resetting it)."""
+    draft halves the next rest instead of resetting it); `start`: the calibration scale before
+    any evidence."""
     prompt, out = rec["prompt"], rec["out"]
     at = {s["n"] - len(prompt): s for s in rec["steps"]}  # output position -> recorded tree
     i, seconds, passes, drafted = 1, 0.0, 0, 0
@@ -156,7 +163,7 @@ def replay(rec: dict, policy: str, verify, level: float, call: tuple[float, floa
         elif step is not None and skip > 0:  # resting
             skip -= 1
         elif step is not None:  # auto, auto-norest
-            scale = (observed + CALIBRATION_PRIOR) / (predicted + CALIBRATION_PRIOR)
+            scale = (observed + start * CALIBRATION_PRIOR) / (predicted + CALIBRATION_PRIOR)
             ranked = sorted(step["scores"], reverse=True)
             rows = min(i - fed, REST_WINDOW)  # features the call catches up over
             fed, overhead = i, call[0] + call[1] * min(rows, CATCHUP_ROWS) + level
@@ -196,20 +203,37 @@ def main() -> None:
     ap.add_argument("--rest", action="append", default=[],
                     help="MIN,MAX[,halve]: one more automatic policy with these rests between "
                          "probes (halve: a draft halves the next rest instead of resetting it)")
+    ap.add_argument("--start", action="append", type=float, default=[],
+                    help="one more automatic policy whose calibration scale starts here "
+                         f"(default {CALIBRATION_START}) instead")
+    ap.add_argument("--curve", type=Path,
+                    help="replay under this verify curve instead of the target's here: a "
+                         "scripts/gpu_check.py --json file (its target curve), e.g. to project "
+                         "the recorded acceptance onto a GPU's costs (pair with its --level-ms "
+                         "and --call-ms)")
     args = ap.parse_args()
     call = tuple(float(x) / 1000 for x in args.call_ms.split(","))
     rests = {"auto": (MIN_IDLE, MAX_IDLE, False)}
     for r in args.rest:
         lo, hi, *halve = r.split(",")
         rests[f"auto{lo}-{hi}{'h' if halve else ''}"] = (int(lo), int(hi), bool(halve))
-    engine = Engine(args.target, None, spec=SpecConfig("eagle", DEPTH, tree=NODES, tree_topk=TOPK),
-                    load=LoadConfig(runtime=args.runtime, heads=args.heads))
+    starts = {f"auto-s{x:g}": x for x in args.start}
+    rests.update({name: rests["auto"] for name in starts})
+    engine = None
+    if not args.record.exists() or args.curve is None:
+        engine = Engine(args.target, None,
+                        spec=SpecConfig("eagle", DEPTH, tree=NODES, tree_topk=TOPK),
+                        load=LoadConfig(runtime=args.runtime, heads=args.heads))
     if not args.record.exists():
         prompts = sample_workloads(args.workload or ["spec_bench:3", "editeval:4"], None,
                                    args.seed)
         record(engine, prompts, args.max_tokens, args.record)
     records = [json.loads(line) for line in args.record.read_text().splitlines()]
-    verify = calibrated_curve(engine.target, NODES + 1)
+    if args.curve is not None:
+        measured = json.loads(args.curve.read_text())["curves"]["target"]
+        verify = ForwardCurve(tuple(measured["sizes"]), tuple(measured["seconds"]))
+    else:
+        verify = calibrated_curve(engine.target, NODES + 1)
     print("verify ms, 1/2/4/8/16 tokens:",
           " / ".join(f"{verify(n) * 1000:.1f}" for n in (1, 2, 4, 8, 16)))
     policies = (*rests, "auto-norest", "chain1", "chain2", "chain3", "oracle")
@@ -226,7 +250,8 @@ def main() -> None:
             for r in rs:
                 seconds, passes, _ = replay(r, "auto" if p in rests else p, verify,
                                             args.level_ms / 1000, call,
-                                            rests.get(p, rests["auto"]))
+                                            rests.get(p, rests["auto"]),
+                                            starts.get(p, CALIBRATION_START))
                 speedups.append((len(r["out"]) - 1) * verify(1) / seconds if seconds else 1.0)
                 lengths.append((len(r["out"]) - 1) / passes if passes else 1.0)
             cells.append(f"{statistics.mean(speedups):5.2f}x/{statistics.mean(lengths):4.2f}")

@@ -20,7 +20,10 @@ from forerun.policy import (
     expected_tokens,
 )
 from forerun.profile import (
+    LIVE_CLIP,
     ForwardCurve,
+    LiveCurve,
+    cached_curve,
     calibrated_curve,
     calibration_sizes,
     measure_forward_curve,
@@ -67,6 +70,59 @@ def test_forward_curve_rejects_bad_points():
         ForwardCurve((1, 2), (1.0,))
     with pytest.raises(ValueError, match="strictly increasing"):
         ForwardCurve((2, 1), (1.0, 1.0))
+
+
+# --- LiveCurve: the calibration corrected by the passes seen since ----------------------------
+
+def test_live_curve_is_its_calibration_until_it_sees_a_pass():
+    base = ForwardCurve((1, 2, 4), (1.0, 2.0, 3.0))
+    live = LiveCurve(base)
+    assert [live(n) for n in (1, 2, 3, 4, 6)] == [base(n) for n in (1, 2, 3, 4, 6)]
+    assert live.sizes == base.sizes and live.to_dict() == {**base.to_dict(), "seen": {}}
+
+
+def test_one_size_seen_scales_the_whole_curve_keeping_its_shape():
+    live = LiveCurve(ForwardCurve((1, 2, 4), (1.0, 2.0, 3.0)))
+    live.observe(1, 0.5)
+    assert live(1) == 0.5 and live(2) == 1.0 and live(4) == 1.5  # verify(2)/verify(1) stays 2
+
+
+def test_sizes_seen_correct_the_shape_and_between_them_it_interpolates():
+    """A curve calibrated on a busy machine (its one-token pass slowed most) makes a 2-token
+    verify look nearly free; the passes seen afterwards restore the real step."""
+    live = LiveCurve(ForwardCurve((1, 2, 3, 5), (1.4, 1.45, 1.5, 2.0)))
+    for _ in range(10):
+        live.observe(1, 1.0)
+        live.observe(5, 2.0)
+    assert live(1) == pytest.approx(1.0) and live(5) == pytest.approx(2.0)
+    ratio_1, ratio_5 = 1.0 / 1.4, 1.0
+    assert live.ratio(3) == pytest.approx(ratio_1 + (ratio_5 - ratio_1) / 2)
+    assert live(8) == pytest.approx(live.base(8))  # past the largest seen: its ratio
+    assert live(2) / live(1) > live.base(2) / live.base(1)  # drafting no longer looks free
+
+
+def test_live_ratio_is_a_mean_then_a_running_average_and_a_stall_moves_it_little():
+    live = LiveCurve(ForwardCurve((1,), (1.0,)))
+    live.observe(1, 0.8)
+    live.observe(1, 0.6)
+    assert live(1) == pytest.approx(0.7)  # the mean of its first passes
+    live.observe(1, 100.0)  # one pass stalled by the machine
+    assert live(1) <= 0.7 * LIVE_CLIP
+    live.observe(0, 1.0)  # nothing to learn from
+    live.observe(1, 0.0)
+    assert live.to_dict()["seen"] == {1: [round(live.ratio(1), 4), 3]}
+
+
+def test_the_decode_loop_shows_its_verify_passes_to_the_target_s_curve():
+    target = tiny_runtime(0)
+    curve = calibrated_curve(target, 5)
+    assert isinstance(curve, LiveCurve) and cached_curve(target) is curve
+    proposer = PROPOSERS["ngram"](SpecConfig("ngram", 4), target, None, None)
+    steps = list(speculative_decode(target, proposer, CostModelK(4, MODERATE), [1, 2, 3] * 4,
+                                    SamplingConfig(), 20, (), make_generator(0)))
+    seen = curve.to_dict()["seen"]
+    assert sum(count for _, count in seen.values()) == len(steps) - 1  # every verify pass
+    assert all(ratio > 0 for ratio, _ in seen.values())
 
 
 # --- the cost policy -----------------------------------------------------------------------

@@ -57,8 +57,10 @@ TREE_SLACK = 256  # EAGLE cache slots past the context for a draft tree's nodes
 AUTO_TREE = -1  # SpecConfig.tree: choose each step's node budget from the verify-cost curve
 AUTO_TREE_MAX = 32  # nodes grown before an automatic budget cuts the tree
 # The confidence scale: observed accepted tokens / predicted, with a prior of CALIBRATION_PRIOR
-# predicted tokens at scale 1, discounted by e^-1 per CALIBRATION_MEMORY newer predictions.
+# predicted tokens at scale CALIBRATION_START, discounted by e^-1 per CALIBRATION_MEMORY newer
+# predictions.
 CALIBRATION_PRIOR = 2.0
+CALIBRATION_START = 1.0
 CALIBRATION_MEMORY = 32.0
 # With a lookup branch, k sizes the lookup chain; the head's own tree stays at most this deep
 # (its acceptance past the third token is small here, and every level costs a head step).
@@ -208,7 +210,8 @@ class HeadProposer:
     @property
     def scale(self) -> float:
         """Accepted tokens per unit of predicted confidence, so far (1 before any evidence)."""
-        return (self.observed + CALIBRATION_PRIOR) / (self.predicted + CALIBRATION_PRIOR)
+        return ((self.observed + CALIBRATION_START * CALIBRATION_PRIOR)
+                / (self.predicted + CALIBRATION_PRIOR))
 
     @torch.inference_mode()
     def propose(self, tokens, k, sampling, generator) -> Draft:
