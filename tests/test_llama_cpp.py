@@ -249,7 +249,7 @@ def test_forward_curve_is_cached_on_disk_per_file_build_and_machine(runtime, tmp
 
     first = profile.calibrated_curve(runtime.fork(), 2)
     assert len(measured) == 1 and len(list((tmp_path / "curves").glob("*.json"))) == 1
-    assert profile.calibrated_curve(runtime.fork(), 2) == first  # another runtime: from disk
+    assert profile.calibrated_curve(runtime.fork(), 2).base == first.base  # another one: disk
     assert len(measured) == 1
     profile.calibrated_curve(runtime.fork(), 3)  # longer than the cached one
     assert len(measured) == 2
