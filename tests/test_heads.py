@@ -663,6 +663,41 @@ def test_collection_for_other_layers_reuses_the_chat_replies(tmp_path, monkeypat
         assert a.read_bytes() == b.read_bytes()
 
 
+def test_self_questions_are_the_target_s_own_and_answered_after_the_written_ones(
+        tmp_path, monkeypatch):
+    """--self-chat (Magpie): the target, handed its chat template opened at the user's turn,
+    writes questions itself, sampled and seeded (the same twice, others with another seed),
+    distinct and at least 16 characters; a collection keeps them in its data folder and
+    answers them after the written questions, before the code."""
+    import json
+
+    from safetensors.torch import load_file
+
+    import forerun.train as train_module
+    from forerun.api import Engine, LoadConfig
+    from forerun.train import chunked, code_corpus, collect, self_questions
+
+    monkeypatch.setattr(train_module, "SELF_MIN_ASCII", 0.0)  # a random model's bytes
+
+    target = tmp_path / "target"
+    write_hf_dir(target, random_hf_weights(len(byte_tokens()), seed=0), byte_tokens())
+    engine = Engine(str(target), None, spec=SpecConfig("none"), load=LoadConfig(dtype="float32"))
+    own = self_questions(engine, 3, seed=0, max_tokens=32)
+    assert own == self_questions(engine, 3, seed=0, max_tokens=32)
+    assert len(set(own)) == 3 and all(len(q) >= 16 for q in own)
+    assert own != self_questions(engine, 3, seed=1, max_tokens=32)
+    cfg = TrainConfig("eagle", max_tokens=32 * 4, seq_len=32, chat=1, chat_tokens=4, self_chat=2)
+    data = tmp_path / "data"
+    paths = collect(engine, cfg, (-1,), data)
+    asked = json.loads((data / "self-questions.json").read_text())
+    assert len(paths) == 4 and asked == self_questions(engine, 2, seed=cfg.seed, max_tokens=32)
+    tokens = [load_file(str(p))["tokens"].tolist() for p in paths]
+    for window, question in zip(tokens[:3], [chat_prompts()[0], *asked], strict=True):
+        reply = engine.generate(question, max_tokens=4).token_ids
+        assert window == (engine.tokenizer.encode_prompt(question) + reply)[-32:]
+    assert tokens[3] == next(chunked(engine.tokenizer, code_corpus(), 32))
+
+
 def test_text_windows_alternate_with_the_code_after_the_chat_replies(tmp_path):
     """--text: the user's files (a folder's .txt/.md/.rst, sorted; a file as given), tokenized
     back to back into windows that alternate with the standard library's after the chat

@@ -171,6 +171,12 @@ def test_greedy_many_equals_one_prompt_at_a_time(tmp_path):
     assert len(want[0]) == 2 and rt.length == len(prompts[-1]) + 5  # its own context untouched
     with pytest.raises(ValueError, match="fit"):
         list(rt.greedy_many([[1, 2]], rt.config.context_length, stop))
+    # sampled (the target writing its own questions): each prompt's own seeded generator, so
+    # what it gets does not depend on how the rows were shared; another seed, other replies
+    sampled = dict(rt.greedy_many(prompts, 6, set(), rows=2, temperature=1.0, seed=3))
+    assert sampled == dict(rt.greedy_many(prompts, 6, set(), rows=3, temperature=1.0, seed=3))
+    assert sampled != dict(rt.greedy_many(prompts, 6, set(), rows=2, temperature=1.0, seed=4))
+    assert all(len(r) == 6 for r in sampled.values())
 
 
 def test_unknown_runtime_and_missing_package_fail_clearly(tmp_path, monkeypatch):

@@ -308,7 +308,8 @@ class LlamaCppRuntime:
         return twin
 
     def greedy_many(self, prompts: list[list[int]], max_tokens: int, stop_ids,
-                    rows: int = 8) -> Iterator[tuple[int, list[int]]]:
+                    rows: int = 8, temperature: float = 0.0, seed: int = 0
+                    ) -> Iterator[tuple[int, list[int]]]:
         """Greedy replies to many prompts, `rows` sequences decoding in one batch (continuous:
         a finished sequence's slot takes the next prompt), in a context of their own; yields
         (prompt index, reply) as each ends, at a stop token (not included) or `max_tokens`.
@@ -316,7 +317,9 @@ class LlamaCppRuntime:
         the tokens a second of one-at-a-time decoding. Each row reads only its own sequence's
         cells, but the batch shapes differ from a plain decode's, so where llama.cpp's kernels
         depend on them (see the module docstring) a reply may part from plain greedy decoding's
-        at a near-tie."""
+        at a near-tie. `temperature` > 0 samples instead (softmax of logits / temperature),
+        each prompt from its own generator seeded by (seed, prompt index), so that what a
+        prompt gets does not depend on the batch it shared (training data's own questions)."""
         if not 1 <= rows <= MAX_TREE_LEAVES:
             raise ValueError(f"rows must be 1..{MAX_TREE_LEAVES}")
         if not prompts:
@@ -333,6 +336,13 @@ class LlamaCppRuntime:
         queue = list(enumerate(prompts))[::-1]
         # per slot: (prompt index, reply so far, its next position); None when idle
         slots: list[tuple[int, list[int], int] | None] = [None] * rows
+        rngs: dict[int, np.random.Generator] = {}
+
+        def pick(index: int, logits: torch.Tensor) -> int:  # [V]
+            if temperature <= 0:
+                return int(logits.argmax())
+            p = torch.softmax(logits.double() / temperature, -1).numpy()  # [V]
+            return int(rngs[index].choice(p.shape[0], p=p))
 
         def start(slot: int) -> None:
             C.llama_memory_seq_rm(pool._memory, slot, -1, -1)
@@ -340,10 +350,11 @@ class LlamaCppRuntime:
                 slots[slot] = None
                 return
             index, ids = queue.pop()
+            rngs[index] = np.random.default_rng((seed, index))
             for begin in range(0, len(ids), pool.batch_size):  # the prompt, last row's logits
                 chunk = np.asarray(ids[begin:begin + pool.batch_size], dtype=np.int32)
                 pool._decode_seqs(chunk, np.arange(begin, begin + chunk.shape[0]), slot, 1)
-            first = int(np.argmax(pool._read(C.llama_get_logits, 1, pool.vocab_size, 1)[0]))
+            first = pick(index, pool._read(C.llama_get_logits, 1, pool.vocab_size, 1)[0])
             slots[slot] = (index, [first], len(ids))
 
         for slot in range(rows):
@@ -362,8 +373,8 @@ class LlamaCppRuntime:
             pos = np.array([slots[s][2] + len(slots[s][1]) - 1 for s in live])  # [n]
             pool._decode_seqs(ids, pos, live, len(live))
             logits = pool._read(C.llama_get_logits, len(live), pool.vocab_size, len(live))
-            for s, token in zip(live, logits.argmax(-1).tolist(), strict=True):  # [n]
-                slots[s][1].append(token)
+            for s, row in zip(live, logits, strict=True):  # row: [V]
+                slots[s][1].append(pick(slots[s][0], row))
 
     def _decode_seqs(self, ids: np.ndarray, positions: np.ndarray, seqs, outputs: int) -> None:
         """One llama_decode of rows in independent sequences (`seqs`: one id for all, or one
