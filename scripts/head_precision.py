@@ -5,6 +5,9 @@ held-out windows after the heads' weights are cast (bfloat16) or quantized (int8
     H=~/.cache/forerun; python scripts/head_precision.py \
         --heads $H/heads/qwen2.5-coder-1.5b-instruct/eagle \
         --data $H/train-data/qwen2.5-coder-1.5b-instruct-auto-L-1-T256-C138x128
+
+`--windows 0:138` keeps the chat replies' held-out windows only (the data folder's own
+indices: written questions, then `--self-chat`'s, then code).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ def main() -> None:
                     help="a collection: the heads' own, or another runtime's of the same corpus")
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    ap.add_argument("--windows", default=":", metavar="START:END",
+                    help="only the held-out windows with these indices (a collection's chat "
+                         "replies come first, then --self-chat's, then code)")
     args = ap.parse_args()
     engine = Engine(args.target, None, spec=SpecConfig("none"),
                     load=LoadConfig(heads=args.heads, head_precision="float32"))
@@ -36,7 +42,9 @@ def main() -> None:
     cfg = TrainConfig(**heads.cfg.training["config"])
     shards = load_shards(sorted(Path(args.data).expanduser().glob("window-*.safetensors")))
     every = round(1 / cfg.held_out)  # the held-out windows `forerun.train.train` kept
-    held = [w for i, w in enumerate(shards) if i % every == every - 1]
+    first, _, last = args.windows.partition(":")
+    span = range(int(first or 0), int(last or len(shards)))
+    held = [w for i, w in enumerate(shards) if i % every == every - 1 and i in span]
     lookup = torch.full((heads.cfg.vocab_size,), -1, dtype=torch.long)
     lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.shape[0])
     out = {"kind": heads.cfg.kind, "held_out_windows": len(held)}
