@@ -296,8 +296,8 @@ SELF_MARK = "\x00forerun-question\x00"
 SELF_MIN_ASCII = 0.95  # the benchmarks' chat is English; Qwen drifts into Chinese
 
 
-def self_questions(replier, n: int, seed: int = 0, max_tokens: int = 128, rows: int = 16
-                   ) -> list[str]:
+def self_questions(replier, n: int, seed: int = 0, max_tokens: int = 128, rows: int = 16,
+                   progress: bool = True) -> list[str]:
     """`n` user questions written by the target itself (Magpie): its chat template rendered up
     to the user's message (default system prompt included) and an opener, then sampled at
     temperature 1 until the turn ends, seeded (the same model gives the same questions),
@@ -312,17 +312,24 @@ def self_questions(replier, n: int, seed: int = 0, max_tokens: int = 128, rows: 
     kept: list[str] = []
     seen: set[str] = set()
     start = 0
+    bar = tqdm(desc="the target writes questions", unit="question", leave=False,
+               disable=not progress)
     while len(kept) < n:
         count = (n - len(kept)) * 5 // 4 + 4
+        bar.reset(total=count)  # each round's candidates; some are dropped after
         openers = [SELF_OPENERS[i % len(SELF_OPENERS)] for i in range(start, start + count)]
         prompts = [tok.encode(head + o, add_special=False) for o in openers]
         if hasattr(replier.target, "greedy_many"):
-            got = dict(replier.target.greedy_many(prompts, max_tokens, tok.stop_ids, rows,
-                                                  temperature=1.0, seed=seed))
+            replies = replier.target.greedy_many(prompts, max_tokens, tok.stop_ids, rows,
+                                                 temperature=1.0, seed=seed)
         else:
-            got = {j: replier.generate(ids, max_tokens=max_tokens, sampling=SamplingConfig(
-                temperature=1.0, seed=seed * 1_000_003 + start + j)).token_ids
-                for j, ids in enumerate(prompts)}
+            replies = ((j, replier.generate(ids, max_tokens=max_tokens, sampling=SamplingConfig(
+                temperature=1.0, seed=seed * 1_000_003 + start + j)).token_ids)
+                for j, ids in enumerate(prompts))
+        got = {}
+        for j, reply in replies:
+            got[j] = reply
+            bar.update()
         for j in range(count):
             text = (openers[j] + tok.decode(got[j])).strip()
             ascii_share = sum(c.isascii() for c in text) / max(1, len(text))
@@ -332,6 +339,7 @@ def self_questions(replier, n: int, seed: int = 0, max_tokens: int = 128, rows: 
                 kept.append(text)
         start += count
         seed += 1  # greedy_many seeds by prompt index: a new round, new generators
+    bar.close()
     return kept[:n]
 
 
@@ -505,11 +513,9 @@ def collect(engine, cfg: TrainConfig, layers: tuple[int, ...], data_dir: Path,
         if cfg.self_chat:  # written once, kept: a resumed collection answers the same ones
             saved = data_dir / "self-questions.json"
             if not saved.exists():
-                bar.set_description("collect (the target writes its questions)")
                 longest = min(128, engine.target.config.context_length // 4)
                 saved.write_text(json.dumps(self_questions(
                     replier or engine, cfg.self_chat, cfg.seed, longest), indent=1) + "\n")
-                bar.set_description("collect")
             own = tuple(json.loads(saved.read_text()))
         chunks = windows(engine, cfg, skip=lambda i: paths[i].exists(), replier=replier,
                          known=known, own=own)
