@@ -365,6 +365,11 @@ class TrainConfig:
     bf16: bool = False  # training matmuls in bfloat16 (autocast; weights and Adam stay fp32)
     text: tuple[str, ...] = ()  # plain-text files/folders (TEXT_SUFFIXES), alternating with code
     self_chat: int = 0  # questions the target writes itself (Magpie), answered after chat's
+    epochs: float = 0.0  # > 0: this many passes over the training windows, in place of steps
+
+    def total_steps(self, windows: int) -> int:
+        """Training steps (one window each): `steps`, or `epochs` passes over `windows`."""
+        return max(1, math.ceil(self.epochs * windows)) if self.epochs > 0 else self.steps
 
 
 # --- data ---------------------------------------------------------------------------------
@@ -667,7 +672,7 @@ def agreement(heads: Heads, shards: list[dict], cfg: TrainConfig, lookup) -> dic
 
 def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path | None = None,
           progress: bool = True) -> dict:
-    """AdamW with a cosine schedule over cfg.steps windows; resumes from `checkpoint`."""
+    """AdamW with a cosine schedule over cfg.total_steps() windows; resumes from `checkpoint`."""
     torch.manual_seed(cfg.seed)
     # held_out = 0: agreement on the training windows themselves (a capacity check); else
     # every (1/held_out)-th window, so held-out text mixes chat and code as training does
@@ -677,9 +682,10 @@ def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path |
     lookup = torch.full((heads.cfg.vocab_size,), -1, dtype=torch.long)
     lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.shape[0])
     params = [p for p in heads.parameters() if p.requires_grad]
+    steps = cfg.total_steps(len(train_set))
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     step = 0
     if checkpoint is not None and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
@@ -691,9 +697,9 @@ def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path |
     heads.train()
     start = time.perf_counter()
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed))
-    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {heads.cfg.kind}", unit="step",
+    bar = tqdm(total=steps, initial=step, desc=f"train {heads.cfg.kind}", unit="step",
                disable=not progress)
-    while step < cfg.steps:
+    while step < steps:
         w = train_set[int(order[step % len(train_set)])]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             loss, _ = window_loss(heads, w, cfg, lookup)
@@ -705,13 +711,13 @@ def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path |
         step += 1
         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
         bar.update()
-        if checkpoint is not None and (step % 100 == 0 or step == cfg.steps):
+        if checkpoint is not None and (step % 100 == 0 or step == steps):
             torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(),
                         "sched": sched.state_dict(), "step": step}, checkpoint)
     bar.close()
     after = agreement(heads.eval(), held, cfg, lookup)
     return {"before": before, "after": after, "train_s": round(time.perf_counter() - start, 1),
-            "windows": len(train_set), "held_out_windows": len(held)}
+            "steps": steps, "windows": len(train_set), "held_out_windows": len(held)}
 
 
 def new_heads(kind: str, io: TargetIO, vocab_ids: torch.Tensor, target_name: str,
@@ -797,7 +803,12 @@ def add_train_parser(sub, add_model_args) -> None:
                         "the standard library's; repeatable. Prose brings a head closer to chat "
                         "replies than code does, e.g. Debian's python3-doc: "
                         "/usr/share/doc/python3/html/_sources")
-    t.add_argument("--steps", type=int, default=TrainConfig.steps, help="training windows")
+    t.add_argument("--steps", type=int, default=TrainConfig.steps,
+                   help="training steps, one window each (cosine schedule over them)")
+    t.add_argument("--epochs", type=float, default=TrainConfig.epochs, metavar="E",
+                   help="in place of --steps: E passes over the training windows (however many "
+                        "the collection holds); a head on ~1,100 windows gained ~0.04 held-out "
+                        "top-1 going from 2 to 4")
     t.add_argument("--lr", type=float, default=TrainConfig.lr)
     t.add_argument("--ttt", type=int, default=TrainConfig.ttt,
                    help="eagle/eagle3: rolled-out steps trained on the head's own predictions")
@@ -845,9 +856,10 @@ def cmd_train(args) -> int:
     bf16 = resolve_dtype(args.train_dtype, "cpu") == "bfloat16"
     cfg = TrainConfig(args.kind, args.max_tokens, args.seq_len, args.chat, args.chat_tokens,
                       replies, args.steps, args.lr, ttt=args.ttt, bf16=bf16, text=text,
-                      self_chat=args.self_chat)
-    if cfg.max_tokens < cfg.seq_len or cfg.steps < 1 or cfg.self_chat < 0:
-        raise ValueError("need --max-tokens >= --seq-len, --steps >= 1 and --self-chat >= 0")
+                      self_chat=args.self_chat, epochs=args.epochs)
+    if cfg.max_tokens < cfg.seq_len or cfg.steps < 1 or cfg.self_chat < 0 or cfg.epochs < 0:
+        raise ValueError("need --max-tokens >= --seq-len, --steps >= 1, --self-chat >= 0 and "
+                         "--epochs >= 0")
     name = Path(str(args.target)).name.removesuffix(".gguf")
     layers = head_layers(args.kind, engine.target.config.n_layers)
     corpus = f"-T{cfg.seq_len}-C{cfg.chat}x{cfg.chat_tokens}"

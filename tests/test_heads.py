@@ -603,6 +603,19 @@ def test_training_lowers_the_loss_and_raises_agreement(kind):
     assert all(t5 >= t1 for t1, t5 in zip(after["top1"], after["top5"], strict=True))
 
 
+def test_epochs_set_the_steps_from_the_training_windows():
+    assert TrainConfig("eagle", steps=7).total_steps(10) == 7
+    assert TrainConfig("eagle", steps=7, epochs=2.5).total_steps(10) == 25
+    assert TrainConfig("eagle", epochs=0.01).total_steps(10) == 1
+    rt = tiny_runtime(0, scale=8.0)
+    heads = random_heads("medusa", rt, scale=0.05)
+    shards = tiny_shards(rt, heads.cfg.layers, 4, length=16)
+    # held_out 0.5: every second window held out, 2 left to train on
+    report = train(heads, shards, TrainConfig("medusa", steps=999, epochs=1.5, held_out=0.5),
+                   progress=False)
+    assert (report["windows"], report["held_out_windows"], report["steps"]) == (2, 2, 3)
+
+
 def test_corpus_vocab_takes_the_data_s_most_frequent_ids_then_the_fallback():
     w = {"tokens": torch.tensor([5, 5, 5, 9, 9, 2]), "top_ids": torch.tensor([[9], [7], [7],
                                                                             [7], [7], [1]])}
