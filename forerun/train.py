@@ -297,13 +297,14 @@ SELF_MIN_ASCII = 0.95  # the benchmarks' chat is English; Qwen drifts into Chine
 
 
 def self_questions(replier, n: int, seed: int = 0, max_tokens: int = 128, rows: int = 16,
-                   progress: bool = True) -> list[str]:
+                   progress: bool = True, openers: tuple[str, ...] = SELF_OPENERS) -> list[str]:
     """`n` user questions written by the target itself (Magpie): its chat template rendered up
     to the user's message (default system prompt included) and an opener, then sampled at
     temperature 1 until the turn ends, seeded (the same model gives the same questions),
     batched on llama.cpp. Candidates that run past `max_tokens`, are shorter than 16
     characters, are not English-like (under SELF_MIN_ASCII of ASCII) or repeat an earlier one
-    are dropped; rounds continue until `n` are kept."""
+    are dropped; rounds continue until `n` are kept. `openers`: how the questions start, in
+    turn."""
     from forerun.sampling import SamplingConfig
 
     tok = replier.tokenizer
@@ -317,8 +318,8 @@ def self_questions(replier, n: int, seed: int = 0, max_tokens: int = 128, rows: 
     while len(kept) < n:
         count = (n - len(kept)) * 5 // 4 + 4
         bar.reset(total=count)  # each round's candidates; some are dropped after
-        openers = [SELF_OPENERS[i % len(SELF_OPENERS)] for i in range(start, start + count)]
-        prompts = [tok.encode(head + o, add_special=False) for o in openers]
+        starts = [openers[i % len(openers)] for i in range(start, start + count)]
+        prompts = [tok.encode(head + o, add_special=False) for o in starts]
         if hasattr(replier.target, "greedy_many"):
             replies = replier.target.greedy_many(prompts, max_tokens, tok.stop_ids, rows,
                                                  temperature=1.0, seed=seed)
@@ -331,7 +332,7 @@ def self_questions(replier, n: int, seed: int = 0, max_tokens: int = 128, rows: 
             got[j] = reply
             bar.update()
         for j in range(count):
-            text = (openers[j] + tok.decode(got[j])).strip()
+            text = (starts[j] + tok.decode(got[j])).strip()
             ascii_share = sum(c.isascii() for c in text) / max(1, len(text))
             if (len(got[j]) < max_tokens and len(text) >= 16 and ascii_share >= SELF_MIN_ASCII
                     and text not in seen):
@@ -341,6 +342,35 @@ def self_questions(replier, n: int, seed: int = 0, max_tokens: int = 128, rows: 
         seed += 1  # greedy_many seeds by prompt index: a new round, new generators
     bar.close()
     return kept[:n]
+
+
+# --self-tasks: the benchmarks' kinds of work on a passage (summaries, questions on a text,
+# rewrites), on passages the target writes itself, never on a benchmark's rows
+PASSAGE_OPENERS = ("Write a short news report about", "Write a short encyclopedia entry on",
+                   "Write a paragraph of a textbook about", "Write a short blog post about",
+                   "Write a short story about", "Write a product description for",
+                   "Write an email to", "Write a short opinion piece on")
+TASK_TEMPLATES = (
+    "Summarize the following text in two or three sentences.\n\n{passage}",
+    "{passage}\n\nWhat is the main point of the text above?",
+    "Read the passage below and list its key facts.\n\n{passage}",
+    "{passage}\n\nWrite a one-line headline for this text.",
+    "Using only the passage below, answer: who or what is it about, and what happens?"
+    "\n\n{passage}",
+    "Rewrite the following text in simpler words.\n\n{passage}",
+)
+
+
+def self_tasks(replier, n: int, seed: int = 0, request_tokens: int = 64,
+               passage_tokens: int = 120, rows: int = 16, progress: bool = True) -> list[str]:
+    """`n` questions on passages the target writes itself: a request for a text written by
+    the target (`self_questions` from PASSAGE_OPENERS), its greedy answer of up to
+    `passage_tokens` (the passage), and question i is TASK_TEMPLATES[i % 6] around it."""
+    requests = self_questions(replier, n, seed, request_tokens, rows, progress,
+                              openers=PASSAGE_OPENERS)
+    passages = dict(chat_replies(replier, requests, passage_tokens, rows))
+    return [TASK_TEMPLATES[i % len(TASK_TEMPLATES)].format(
+        passage=replier.tokenizer.decode(passages[i]).strip()) for i in range(n)]
 
 
 def other_language(i: int, first: str) -> str:
@@ -366,6 +396,7 @@ class TrainConfig:
     text: tuple[str, ...] = ()  # plain-text files/folders (TEXT_SUFFIXES), alternating with code
     self_chat: int = 0  # questions the target writes itself (Magpie), answered after chat's
     epochs: float = 0.0  # > 0: this many passes over the training windows, in place of steps
+    self_tasks: int = 0  # questions on passages the target writes itself, after self_chat's
 
     def total_steps(self, windows: int) -> int:
         """Training steps (one window each): `steps`, or `epochs` passes over `windows`."""
@@ -423,9 +454,9 @@ def windows(engine, cfg: TrainConfig, skip=lambda i: False, replier=None,
             known=lambda i: None, own: tuple[str, ...] = ()) -> Iterator[list[int] | None]:
     """Token windows of cfg.seq_len: the target's chat replies first (greedy, generated by
     `replier`, default `engine`) to cfg.chat written questions and then to `own` (the
-    target's own, `self_questions`), then code (alternating with cfg.text's windows while
-    they last); None for a chat window `skip(i)` says is already
-    collected (its reply is not generated again); `known(i)`, where not None, is written
+    target's own, `self_questions` then `self_tasks`), then code (alternating with cfg.text's
+    windows while they last); None for a chat window `skip(i)` says is already collected
+    (its reply is not generated again); `known(i)`, where not None, is written
     question i's window from an earlier collection (the same reply, not generated again)."""
     tok, replier = engine.tokenizer, replier or engine
     questions = chat_prompts()[:cfg.chat] + tuple(own)
@@ -522,6 +553,14 @@ def collect(engine, cfg: TrainConfig, layers: tuple[int, ...], data_dir: Path,
                 saved.write_text(json.dumps(self_questions(
                     replier or engine, cfg.self_chat, cfg.seed, longest), indent=1) + "\n")
             own = tuple(json.loads(saved.read_text()))
+        if cfg.self_tasks:  # the same: written once, kept
+            saved = data_dir / "self-tasks.json"
+            if not saved.exists():
+                context = engine.target.config.context_length
+                saved.write_text(json.dumps(self_tasks(
+                    replier or engine, cfg.self_tasks, cfg.seed, min(64, context // 8),
+                    min(120, context // 4)), indent=1) + "\n")
+            own += tuple(json.loads(saved.read_text()))
         chunks = windows(engine, cfg, skip=lambda i: paths[i].exists(), replier=replier,
                          known=known, own=own)
         for i, ids in enumerate(chunks):
@@ -544,7 +583,7 @@ def sibling_collections(data: Path, name: str, cfg: TrainConfig
     chat questions: (folder, its chat question count, whether its features are data's own,
     the same runtime and layers). See `collect` for what is reused."""
     pattern = re.compile(rf"({re.escape(name)}-.+-L[-_0-9]+)-T{cfg.seq_len}-C(\d+)"
-                         rf"x{cfg.chat_tokens}(-S\d+)?(-X[0-9a-f]+)?")
+                         rf"x{cfg.chat_tokens}(-S\d+)?(-P\d+)?(-X[0-9a-f]+)?")
     ours = pattern.fullmatch(data.name)
     return tuple((d, int(m[2]), ours is not None and m[1] == ours[1])
                  for d in sorted(data.parent.glob(f"{name}-*"))
@@ -793,6 +832,11 @@ def add_train_parser(sub, add_model_args) -> None:
                    help="then N questions the target writes itself (Magpie: its chat template "
                         "opened at the user's turn, sampled at temperature 1, seeded), answered "
                         "the same way; kept in the data folder as self-questions.json")
+    t.add_argument("--self-tasks", type=int, default=TrainConfig.self_tasks, metavar="N",
+                   help="then N questions on passages the target writes itself (a news report, "
+                        "an encyclopedia entry, a story, ...): summarize it, its main point, "
+                        "its key facts, a headline, questions on it, a simpler rewrite; "
+                        "answered the same way; kept as self-tasks.json")
     t.add_argument("--replies", choices=["auto", "torch", "llama.cpp"], default="auto",
                    help="runtime that generates the chat replies (features and distributions "
                         "come from --runtime); auto = llama.cpp for a GGUF target when "
@@ -856,15 +900,18 @@ def cmd_train(args) -> int:
     bf16 = resolve_dtype(args.train_dtype, "cpu") == "bfloat16"
     cfg = TrainConfig(args.kind, args.max_tokens, args.seq_len, args.chat, args.chat_tokens,
                       replies, args.steps, args.lr, ttt=args.ttt, bf16=bf16, text=text,
-                      self_chat=args.self_chat, epochs=args.epochs)
-    if cfg.max_tokens < cfg.seq_len or cfg.steps < 1 or cfg.self_chat < 0 or cfg.epochs < 0:
-        raise ValueError("need --max-tokens >= --seq-len, --steps >= 1, --self-chat >= 0 and "
-                         "--epochs >= 0")
+                      self_chat=args.self_chat, epochs=args.epochs, self_tasks=args.self_tasks)
+    if (cfg.max_tokens < cfg.seq_len or cfg.steps < 1 or cfg.self_chat < 0 or cfg.epochs < 0
+            or cfg.self_tasks < 0):
+        raise ValueError("need --max-tokens >= --seq-len, --steps >= 1, --epochs >= 0, "
+                         "--self-chat >= 0 and --self-tasks >= 0")
     name = Path(str(args.target)).name.removesuffix(".gguf")
     layers = head_layers(args.kind, engine.target.config.n_layers)
     corpus = f"-T{cfg.seq_len}-C{cfg.chat}x{cfg.chat_tokens}"
     if cfg.self_chat:  # the target's own questions come after the written ones
         corpus += f"-S{cfg.self_chat}"
+    if cfg.self_tasks:  # then the questions on its own passages
+        corpus += f"-P{cfg.self_tasks}"
     if files:  # its own data folder: the windows after the chat replies differ
         digest = hashlib.sha1("\n".join(map(str, files)).encode()).hexdigest()[:8]
         corpus += f"-X{digest}"

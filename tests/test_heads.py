@@ -711,6 +711,50 @@ def test_self_questions_are_the_target_s_own_and_answered_after_the_written_ones
     assert tokens[3] == next(chunked(engine.tokenizer, code_corpus(), 32))
 
 
+def test_self_tasks_wrap_the_target_s_own_passages_in_task_templates(tmp_path, monkeypatch):
+    """--self-tasks: the target writes a request for a text (PASSAGE_OPENERS), answers it
+    greedily (the passage), and question i is TASK_TEMPLATES[i % 6] around that passage; a
+    collection keeps them and answers them after the written and the self-written questions."""
+    import json
+
+    from safetensors.torch import load_file
+
+    import forerun.train as train_module
+    from forerun.api import Engine, LoadConfig
+    from forerun.train import (
+        PASSAGE_OPENERS,
+        TASK_TEMPLATES,
+        collect,
+        self_questions,
+        self_tasks,
+    )
+
+    monkeypatch.setattr(train_module, "SELF_MIN_ASCII", 0.0)  # a random model's bytes
+    target = tmp_path / "target"
+    write_hf_dir(target, random_hf_weights(len(byte_tokens()), seed=0), byte_tokens())
+    engine = Engine(str(target), None, spec=SpecConfig("none"), load=LoadConfig(dtype="float32"))
+    tasks = self_tasks(engine, 3, seed=0, request_tokens=16, passage_tokens=8)
+    assert tasks == self_tasks(engine, 3, seed=0, request_tokens=16, passage_tokens=8)
+    requests = self_questions(engine, 3, seed=0, max_tokens=16, openers=PASSAGE_OPENERS)
+    assert all(r.startswith(PASSAGE_OPENERS) for r in requests)
+    for i, (task, request) in enumerate(zip(tasks, requests, strict=True)):
+        passage = engine.tokenizer.decode(engine.generate(request, max_tokens=8).token_ids)
+        assert task == TASK_TEMPLATES[i % len(TASK_TEMPLATES)].format(passage=passage.strip())
+    context = engine.target.config.context_length
+    cfg = TrainConfig("eagle", max_tokens=32 * 4, seq_len=32, chat=1, chat_tokens=4, self_chat=1,
+                      self_tasks=1)
+    data = tmp_path / "data"
+    paths = collect(engine, cfg, (-1,), data)
+    asked = json.loads((data / "self-questions.json").read_text())
+    tasked = json.loads((data / "self-tasks.json").read_text())
+    assert tasked == self_tasks(engine, 1, seed=cfg.seed, request_tokens=min(64, context // 8),
+                                passage_tokens=min(120, context // 4))
+    tokens = [load_file(str(p))["tokens"].tolist() for p in paths]
+    for window, question in zip(tokens[:3], [chat_prompts()[0], *asked, *tasked], strict=True):
+        reply = engine.generate(question, max_tokens=4).token_ids
+        assert window == (engine.tokenizer.encode_prompt(question) + reply)[-32:]
+
+
 def test_text_windows_alternate_with_the_code_after_the_chat_replies(tmp_path):
     """--text: the user's files (a folder's .txt/.md/.rst, sorted; a file as given), tokenized
     back to back into windows that alternate with the standard library's after the chat
