@@ -545,22 +545,21 @@ def collect(engine, cfg: TrainConfig, layers: tuple[int, ...], data_dir: Path,
     with tqdm(total=total, initial=total - len(missing), desc="collect", unit="window") as bar:
         if not missing:
             return paths
+        def kept(name: str, write) -> tuple[str, ...]:
+            """Questions written once and kept: a resumed collection answers the same ones."""
+            saved = data_dir / name
+            if not saved.exists():
+                saved.write_text(json.dumps(write(), indent=1) + "\n")
+            return tuple(json.loads(saved.read_text()))
+
+        writer, context = replier or engine, engine.target.config.context_length
         own = ()
-        if cfg.self_chat:  # written once, kept: a resumed collection answers the same ones
-            saved = data_dir / "self-questions.json"
-            if not saved.exists():
-                longest = min(128, engine.target.config.context_length // 4)
-                saved.write_text(json.dumps(self_questions(
-                    replier or engine, cfg.self_chat, cfg.seed, longest), indent=1) + "\n")
-            own = tuple(json.loads(saved.read_text()))
-        if cfg.self_tasks:  # the same: written once, kept
-            saved = data_dir / "self-tasks.json"
-            if not saved.exists():
-                context = engine.target.config.context_length
-                saved.write_text(json.dumps(self_tasks(
-                    replier or engine, cfg.self_tasks, cfg.seed, min(64, context // 8),
-                    min(120, context // 4)), indent=1) + "\n")
-            own += tuple(json.loads(saved.read_text()))
+        if cfg.self_chat:
+            own += kept("self-questions.json", lambda: self_questions(
+                writer, cfg.self_chat, cfg.seed, min(128, context // 4)))
+        if cfg.self_tasks:
+            own += kept("self-tasks.json", lambda: self_tasks(
+                writer, cfg.self_tasks, cfg.seed, min(64, context // 8), min(120, context // 4)))
         chunks = windows(engine, cfg, skip=lambda i: paths[i].exists(), replier=replier,
                          known=known, own=own)
         for i, ids in enumerate(chunks):
@@ -709,6 +708,13 @@ def agreement(heads: Heads, shards: list[dict], cfg: TrainConfig, lookup) -> dic
 
 # --- the loop -----------------------------------------------------------------------------
 
+def vocab_lookup(heads: Heads) -> torch.Tensor:
+    """[V] each full-vocabulary id's index in the heads' reduced vocabulary, -1 outside it."""
+    lookup = torch.full((heads.cfg.vocab_size,), -1, dtype=torch.long)
+    lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.shape[0])
+    return lookup
+
+
 def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path | None = None,
           progress: bool = True) -> dict:
     """AdamW with a cosine schedule over cfg.total_steps() windows; resumes from `checkpoint`."""
@@ -718,8 +724,7 @@ def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path |
     every = round(1 / cfg.held_out) if cfg.held_out > 0 and len(shards) > 1 else 0
     held = [w for i, w in enumerate(shards) if every and i % every == every - 1] or shards
     train_set = [w for i, w in enumerate(shards) if not every or i % every != every - 1] or shards
-    lookup = torch.full((heads.cfg.vocab_size,), -1, dtype=torch.long)
-    lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.shape[0])
+    lookup = vocab_lookup(heads)
     params = [p for p in heads.parameters() if p.requires_grad]
     steps = cfg.total_steps(len(train_set))
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)

@@ -28,7 +28,7 @@ from forerun.heads import load_heads
 from forerun.models.load import open_model, target_io
 from forerun.propose import SpecConfig
 from forerun.sampling import SamplingConfig
-from forerun.train import TrainConfig, predictions, teacher
+from forerun.train import TrainConfig, predictions, teacher, vocab_lookup
 
 
 def replies(engine: Engine, workloads: list[str], seed: int, max_tokens: int,
@@ -76,8 +76,7 @@ def main() -> None:
     for folder in args.heads:
         heads = load_heads(folder, io).eval()
         cfg = TrainConfig(**heads.cfg.training["config"])
-        lookup = torch.full((heads.cfg.vocab_size,), -1, dtype=torch.long)
-        lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.shape[0])
+        lookup = vocab_lookup(heads)
         counts: dict[str, list[list[int]]] = defaultdict(list)  # part -> per step [hits, rows]
         with torch.no_grad():
             for category, first, w in windows:

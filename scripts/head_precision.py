@@ -17,12 +17,10 @@ import copy
 import json
 from pathlib import Path
 
-import torch
-
 from forerun.api import Engine, LoadConfig
 from forerun.heads import PRECISIONS
 from forerun.propose import SpecConfig
-from forerun.train import TrainConfig, agreement, load_shards
+from forerun.train import TrainConfig, agreement, load_shards, vocab_lookup
 
 
 def main() -> None:
@@ -45,8 +43,7 @@ def main() -> None:
     first, _, last = args.windows.partition(":")
     span = range(int(first or 0), int(last or len(shards)))
     held = [w for i, w in enumerate(shards) if i % every == every - 1 and i in span]
-    lookup = torch.full((heads.cfg.vocab_size,), -1, dtype=torch.long)
-    lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.shape[0])
+    lookup = vocab_lookup(heads)
     out = {"kind": heads.cfg.kind, "held_out_windows": len(held)}
     for precision in args.precisions:
         drafting = copy.deepcopy(heads).for_drafting(precision)
