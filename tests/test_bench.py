@@ -10,7 +10,15 @@ import torch
 from tiny_files import byte_tokens, random_hf_weights, write_gguf
 
 from forerun import cli
-from forerun.bench.report import MEAN, aggregate, divergences, markdown
+from forerun.bench.report import (
+    MEAN,
+    aggregate,
+    ceiling_line,
+    divergences,
+    markdown,
+    prefill_ceilings,
+)
+from forerun.bench.report import summary as report_summary
 from forerun.bench.runner import BASELINE, BenchConfig, Run, median_run
 from forerun.bench.workloads import WorkloadError, read_workload, sample_workloads
 
@@ -89,6 +97,9 @@ def test_bench_writes_table_json_and_plot(pair, workload, tmp_path, capsys):
     assert all(r["new_tokens"] > 0 and r["wall_s"] > 0 for r in runs)
     assert (out / "bench.png").stat().st_size > 1000
     assert "| 0 | editeval | draft k=4 | 1 |" in (out / "results.md").read_text()
+    ceiling = summary["prefill_ceiling"]  # plain wall / plain TTFT, per category and the mean
+    assert set(ceiling) == {"mt_bench", "editeval", MEAN} and min(ceiling.values()) >= 1
+    assert results["prefill_ceiling"].keys() == ceiling.keys()
 
 
 def test_verify_curve(pair, tmp_path, capsys):
@@ -152,6 +163,26 @@ def test_decode_speedup_leaves_the_prefill_out():
     assert cells["eagle"].decode_speedup == pytest.approx(2.0)
     assert cells[BASELINE].decode_speedup == pytest.approx(1.0)
     assert "2.00x" in markdown(list(cells.values()), "t")
+
+
+def test_the_prefill_ceiling_is_plain_wall_over_plain_ttft():
+    # rag-like: 9 s of a 10 s plain run is prefill, so no drafter passes 10/9 end to end;
+    # qa-like: 1 s of 8 s; EditEval stands out of the mean, as it does for speedups
+    def run(cat, label, wall, ttft):
+        return Run("p", cat, label, BASELINE, 0.0, 800, 18, wall, ttft, [0.1])
+
+    ceilings = prefill_ceilings([
+        run("rag", BASELINE, 10.0, 9.0), run("rag", BASELINE, 10.0, 9.0),
+        run("rag", "eagle", 9.5, 9.0), run("qa", BASELINE, 8.0, 1.0),
+        run("editeval", BASELINE, 4.0, 2.0)])
+    assert ceilings["rag"] == pytest.approx(20 / 18)
+    assert ceilings["qa"] == pytest.approx(8.0)
+    assert ceilings[MEAN] == pytest.approx((20 / 18 + 8.0) / 2)
+    assert ceiling_line(ceilings).index("rag 1.11x") < ceiling_line(ceilings).index("qa 8.00x")
+    cells = aggregate([run("rag", BASELINE, 10.0, 9.0)])
+    assert "Prefill ceiling" in markdown(cells, "t", ceilings=ceilings)
+    assert report_summary(cells, ceilings)["prefill_ceiling"]["rag"] == pytest.approx(1.111)
+    assert prefill_ceilings([run("rag", "eagle", 1.0, 0.5)]) == {}
 
 
 def test_repeats_keep_each_cell_s_median_run(pair, workload, tmp_path, capsys):

@@ -116,6 +116,9 @@ def cmd_bench(args) -> int:
     cells = report.aggregate(runs)
     title = f"forerun bench: {Path(str(args.target)).name} ({meta['runtime']}, {meta['dtype']})"
     console.print(report.table(cells, title))
+    ceilings = report.prefill_ceilings(runs)
+    if ceilings:
+        console.print(f"[dim]{escape(report.ceiling_line(ceilings))}[/dim]")
     notes = report.divergences(runs, engine.tokenizer.decode)
     if notes:
         console.print(f"[dim]{report.DIVERGENCE_HELP}:[/dim]")
@@ -125,10 +128,10 @@ def cmd_bench(args) -> int:
     if curve is not None:
         meta["calibrated_curve"] = curve.to_dict()
     report.write_json(out / "results.json", meta | {"config": asdict(cfg)}, cells, runs)
-    (out / "results.md").write_text(report.markdown(cells, title, notes))
+    (out / "results.md").write_text(report.markdown(cells, title, notes, ceilings))
     report.plot(out / "bench.png", cells, title)
     console.print(f"wrote {out / 'results.json'}, results.md and bench.png")
-    print(json.dumps(report.summary(cells) | {"results": str(out / "results.json")}))
+    print(json.dumps(report.summary(cells, ceilings) | {"results": str(out / "results.json")}))
     return 0
 
 

@@ -17,6 +17,10 @@ Owns: how runs become figures. For each (temperature, category, label):
 A category named "mean" is added: the unweighted mean of the per-category speedups (Spec-Bench's
 headline figure) and medians of the rest, over every category but EditEval's, which stands as
 its own figure (a mean over both workloads would be neither's).
+- prefill ceiling = the plain baseline's total wall / its total TTFT, per category (and their
+  mean, as above): the end-to-end speedup a drafter infinitely fast after the first token would
+  reach, since the prefill is the same work with or without one. On a 2-core CPU, Spec-Bench's
+  rag prompts (~800 tokens, ~18-token replies) spend ~90% of their wall in the prefill: 1.11x.
 """
 
 from __future__ import annotations
@@ -96,6 +100,31 @@ def aggregate(runs: list[Run]) -> list[Cell]:
     return cells + _means(cells)
 
 
+def prefill_ceilings(runs: list[Run]) -> dict[str, float]:
+    """Category (and MEAN) -> the baseline's wall / TTFT over its prompts: no drafter's
+    end-to-end speedup can pass it (the prefill is the same work with or without one)."""
+    sums: dict[str, list[float]] = {}
+    for r in runs:
+        if r.label == BASELINE:
+            s = sums.setdefault(r.category, [0.0, 0.0])
+            s[0], s[1] = s[0] + r.wall_s, s[1] + r.ttft_s
+    out = {cat: wall / ttft for cat, (wall, ttft) in sums.items() if ttft > 0}
+    spec = [x for cat, x in out.items() if cat not in OWN_FIGURE]
+    if len(out) > 1 and spec:
+        out[MEAN] = sum(spec) / len(spec)
+    return out
+
+
+def ceiling_line(ceilings: dict[str, float]) -> str:
+    """The ceilings in words, lowest first (empty without any)."""
+    if not ceilings:
+        return ""
+    lowest_first = sorted(ceilings.items(), key=lambda kv: kv[1])
+    parts = ", ".join(f"{cat} {x:.2f}x" for cat, x in lowest_first)
+    return ("prefill ceiling (plain wall / plain TTFT: the end-to-end speedup no drafter passes "
+            f"here; `decode` is the drafter's own figure): {parts}")
+
+
 def _means(cells: list[Cell]) -> list[Cell]:
     """The unweighted mean over categories (but OWN_FIGURE's), per (temperature, label)."""
     by: dict[tuple, list[Cell]] = {}
@@ -172,13 +201,16 @@ def describe_divergence(d: dict, decode=None) -> str:
     return f"new token {d['at']}, plain {show(d['plain'])} vs {show(d['speculative'])}; {margin}"
 
 
-def markdown(cells: list[Cell], title: str, divergent: list[str] = ()) -> str:
+def markdown(cells: list[Cell], title: str, divergent: list[str] = (),
+             ceilings: dict[str, float] | None = None) -> str:
     """The same table as GitHub markdown (results.md), to paste into an issue or a README;
-    then the `divergences`, if any."""
+    then the prefill ceilings and the `divergences`, if any."""
     lines = [f"**{title}**", "", "| " + " | ".join(COLUMNS) + " |",
              "|" + "|".join("---" if col in ("category", "method") else "--:" for col in COLUMNS)
              + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows(cells)]
+    if ceilings:
+        lines += ["", ceiling_line(ceilings)[0].upper() + ceiling_line(ceilings)[1:] + "."]
     if divergent:
         lines += ["", DIVERGENCE_HELP[0].upper() + DIVERGENCE_HELP[1:] + ":", "",
                   *(f"- {n}" for n in divergent)]
@@ -191,18 +223,21 @@ def divergences(runs: list[Run], decode=None) -> list[str]:
             for r in runs if r.divergence is not None]
 
 
-def summary(cells: list[Cell]) -> dict:
-    """One line for scripts: per label, the speedup on each category and the mean."""
+def summary(cells: list[Cell], ceilings: dict[str, float] | None = None) -> dict:
+    """One line for scripts: per label, the speedup on each category and the mean; and the
+    prefill ceilings, where given."""
     out: dict = {}
     one_temperature = len({c.temperature for c in cells}) == 1
     for c in cells:
         key = c.label if one_temperature else f"{c.label} T={c.temperature:g}"
         out.setdefault(key, {})[c.category] = round(c.speedup, 3)
-    return {"speedup_vs_forerun_plain": out}
+    extra = {"prefill_ceiling": {k: round(v, 3) for k, v in ceilings.items()}} if ceilings else {}
+    return {"speedup_vs_forerun_plain": out} | extra
 
 
 def write_json(path: Path, meta: dict, cells: list[Cell], runs: list[Run]) -> None:
     path.write_text(json.dumps({"meta": meta, "cells": [asdict(c) for c in cells],
+                                "prefill_ceiling": prefill_ceilings(runs),
                                 "runs": [r.to_dict() for r in runs]}, indent=1))
 
 
