@@ -755,6 +755,41 @@ def test_self_tasks_wrap_the_target_s_own_passages_in_task_templates(tmp_path, m
         assert window == (engine.tokenizer.encode_prompt(question) + reply)[-32:]
 
 
+def test_user_questions_are_answered_after_the_target_s_own(tmp_path):
+    """--questions: the user's prompts (any JSONL shape the bench reads) are answered greedily
+    after the written and self-written questions, and teacher-forced like them; the bench's own
+    prompt sets and a missing file are clear errors."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from forerun.api import Engine, LoadConfig
+    from forerun.bench.workloads import BUILTIN, WorkloadError
+    from forerun.train import collect, user_questions
+
+    target = tmp_path / "target"
+    write_hf_dir(target, random_hf_weights(len(byte_tokens()), seed=0), byte_tokens())
+    engine = Engine(str(target), None, spec=SpecConfig("none"), load=LoadConfig(dtype="float32"))
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(json.dumps({"prompt": "Summarize our release notes."}) + "\n\n"
+                    + json.dumps({"turns": ["Why is the build slow?", "second turn"]}) + "\n")
+    assert user_questions((str(mine),)) == ("Summarize our release notes.",
+                                            "Why is the build slow?")
+    for bench in ("spec_bench", str(BUILTIN["editeval"])):
+        with pytest.raises(ValueError, match="flatter the bench"):
+            user_questions((bench,))
+    with pytest.raises(WorkloadError, match="no such file"):
+        user_questions((str(tmp_path / "missing.jsonl"),))
+    cfg = TrainConfig("eagle", max_tokens=32 * 4, seq_len=32, chat=1, chat_tokens=4,
+                      questions=(str(mine),))
+    paths = collect(engine, cfg, (-1,), tmp_path / "data")
+    tokens = [load_file(str(p))["tokens"].tolist() for p in paths]
+    asked = [chat_prompts()[0], "Summarize our release notes.", "Why is the build slow?"]
+    for window, question in zip(tokens[:3], asked, strict=True):
+        reply = engine.generate(question, max_tokens=4).token_ids
+        assert window == (engine.tokenizer.encode_prompt(question) + reply)[-32:]
+
+
 def test_text_windows_alternate_with_the_code_after_the_chat_replies(tmp_path):
     """--text: the user's files (a folder's .txt/.md/.rst, sorted; a file as given), tokenized
     back to back into windows that alternate with the standard library's after the chat
