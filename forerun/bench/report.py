@@ -210,7 +210,8 @@ def markdown(cells: list[Cell], title: str, divergent: list[str] = (),
              + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows(cells)]
     if ceilings:
-        lines += ["", ceiling_line(ceilings)[0].upper() + ceiling_line(ceilings)[1:] + "."]
+        line = ceiling_line(ceilings)
+        lines += ["", line[0].upper() + line[1:] + "."]
     if divergent:
         lines += ["", DIVERGENCE_HELP[0].upper() + DIVERGENCE_HELP[1:] + ":", "",
                   *(f"- {n}" for n in divergent)]
