@@ -13,6 +13,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from forerun.api import DEFAULT_MAX_TOKENS
+from forerun.commands.options import add_model_args, add_spec_args, load_engine
 from forerun.serve.limits import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -27,9 +29,7 @@ SHUTDOWN_GRACE_S = 10  # on Ctrl-C / SIGTERM, open streams get this long to fini
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def add_serve_parser(sub, add_model_args, add_spec_args) -> None:
-    from forerun.api import DEFAULT_MAX_TOKENS
-
+def add_parser(sub) -> None:
     s = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -66,13 +66,12 @@ def add_serve_parser(sub, add_model_args, add_spec_args) -> None:
     add_spec_args(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning",
                                                             "info", "debug"])
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=run)
 
 
-def cmd_serve(args) -> int:
+def run(args) -> int:
     import uvicorn
 
-    from forerun.cli import load_engine  # cli imports this module
     from forerun.serve.app import ServeConfig, create_app
     from forerun.serve.worker import LoadShedding, Worker
 

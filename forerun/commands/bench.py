@@ -28,6 +28,7 @@ from forerun.bench import report
 from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
 from forerun.bench.runner import BenchConfig, run_bench, runs_per_prompt
 from forerun.bench.workloads import BUILTIN, Prompt, sample_workloads
+from forerun.commands.options import add_model_args, load_config
 from forerun.models.load import open_model, resolve_dtype
 from forerun.profile import cached_curve
 from forerun.propose import SpecConfig, tree_budget
@@ -38,7 +39,7 @@ DEFAULT_OUT = "out/bench"
 TABLE_WIDTH = 160  # when stdout is not a terminal (files, CI logs)
 
 
-def add_bench_parser(sub, add_model_args) -> None:
+def add_parser(sub) -> None:
     b = sub.add_parser(
         "bench", help="benchmark methods against plain decoding and peers on public prompts",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -75,14 +76,14 @@ def add_bench_parser(sub, add_model_args) -> None:
                         "for the target (and draft) instead, as a table and plot")
     b.add_argument("--json", action="store_true", help="print only the JSON summary")
     add_model_args(b)
-    b.set_defaults(func=cmd_bench)
+    b.set_defaults(func=run)
 
 
 def _csv(text: str, kind=str) -> tuple:
     return tuple(kind(x) for x in text.split(",") if x.strip())
 
 
-def cmd_bench(args) -> int:
+def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stream = sys.stderr if args.json else sys.stdout
@@ -92,8 +93,6 @@ def cmd_bench(args) -> int:
                       max_tokens=args.max_tokens, seed=args.seed, tree=args.tree,
                       tree_topk=args.tree_topk, lookup=args.lookup, repeats=args.repeats)
     cfg.cells()  # validates method names and k before anything loads
-    from forerun.cli import load_config  # cli imports this module
-
     load = load_config(args)
     wants_draft = args.verify_curve or "draft" in cfg.methods
     with Console(stderr=True).status(f"loading {args.target}"):

@@ -1,0 +1,127 @@
+"""Options shared by several commands: models, speculation and sampling, and what they build.
+
+Owns: the argparse groups (`add_model_args`, `add_spec_args`, `add_sampling_args`), the configs
+they stand for (`load_config`, `spec_config`, `sampling_config`), `load_engine`, the stderr
+console every command reports on, and the exit status of an expected error. Imports only the
+library; no command module is imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+from forerun.api import DEFAULT_MAX_TOKENS, Engine, LoadConfig
+from forerun.heads import PRECISIONS
+from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from forerun.models.load import DEFAULT_CONTEXT, DTYPES, RUNTIMES
+from forerun.policy import POLICIES
+from forerun.propose import PROPOSERS, SpecConfig, tree_budget
+from forerun.sampling import SamplingConfig
+
+EXIT_USAGE = 2  # an expected error (bad input): a one-line message, then this status
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", default=DEFAULT_TARGET,
+                   help="catalog name, .gguf file, HF directory or hub id (default: %(default)s)")
+    g.add_argument("--draft", default=DEFAULT_DRAFT,
+                   help="draft model for --method draft; same tokenizer as the target "
+                        "(default: %(default)s)")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weights and activations; auto = bfloat16 on CUDA and on CPUs with "
+                        "AVX512-BF16/AMX, else float32 (default: %(default)s)")
+    g.add_argument("--draft-dtype", default="auto", choices=["auto", *DTYPES],
+                   help="the draft model's dtype; it changes speed, never the output "
+                        "(default: %(default)s)")
+    g.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="draft over the N most frequent tokens only (FR-Spec: a smaller LM head, "
+                        "a cheaper draft step; the target still verifies over all tokens, so "
+                        "the output is unchanged); 0 = full vocabulary (default: %(default)s)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    g.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
+                   help="KV cache slots: prompt + output tokens (default: %(default)s)")
+    g.add_argument("--heads", default=None, metavar="PATH",
+                   help="trained Medusa/Hydra/EAGLE heads for the target (a directory made by "
+                        "`forerun train`); use with --method medusa|hydra|eagle|eagle3")
+    g.add_argument("--head-precision", default="auto", choices=["auto", *PRECISIONS],
+                   help="the heads' weights when drafting: int8 (per-row scales) reads a "
+                        "quarter of float32's bytes; w8a8 also quantizes the inputs (fbgemm's "
+                        "integer kernels, for CPUs without fast bfloat16); changes speed and "
+                        "drafts, never the output; auto = int8 on CPUs with fast bfloat16, else "
+                        "w8a8 on x86, else float32 (default: %(default)s)")
+    g.add_argument("--runtime", default="torch", choices=list(RUNTIMES),
+                   help="torch: our transformer, weights dequantized to --dtype; llama.cpp: the "
+                        "GGUF file on llama.cpp's quantized kernels, --dtype ignored (needs "
+                        "forerun[llama]) (default: %(default)s)")
+
+
+def load_config(args: argparse.Namespace) -> LoadConfig:
+    """The LoadConfig of the arguments add_model_args defined."""
+    return LoadConfig(args.dtype, args.device, args.context, runtime=args.runtime,
+                      draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab,
+                      heads=args.heads, head_precision=args.head_precision)
+
+
+def spec_config(args: argparse.Namespace) -> SpecConfig:
+    """The SpecConfig of the arguments add_spec_args defined."""
+    return SpecConfig(args.method, args.k, args.policy, args.ngram_min, args.ngram_max,
+                      args.tree, args.tree_topk, args.lookup)
+
+
+def load_engine(args: argparse.Namespace, console: Console | None = None) -> Engine:
+    """The Engine of the model and speculation arguments (the draft only when it drafts)."""
+    needs_draft = args.method == "draft"
+    what = f"loading {args.target}" + (f" + {args.draft}" if needs_draft else "")
+    with (console or err).status(what):
+        return Engine(args.target, args.draft if needs_draft else None, spec=spec_config(args),
+                      load=load_config(args))
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculation")
+    g.add_argument("--method", default="draft", choices=["none", *PROPOSERS],
+                   help="drafting method; none = plain decoding (default: %(default)s)")
+    g.add_argument("-k", "--num-draft-tokens", type=int, default=4, dest="k",
+                   help="draft tokens per verify step; the start value for --policy "
+                        "adaptive, the cap for cost (default: %(default)s)")
+    g.add_argument("--policy", default="fixed", choices=list(POLICIES),
+                   help="draft length policy: fixed k; adaptive (+2 after a fully accepted "
+                        "draft, -1 otherwise); cost (picks the k <= -k with the most expected "
+                        "tokens/s from forward times measured at first use; k = 0, plain "
+                        "decoding, where speculation does not pay) (default: %(default)s)")
+    g.add_argument("--tree", type=tree_budget, default=0, metavar="NODES|auto",
+                   help="head methods: draft a token tree of this many nodes, k deep, grown by "
+                        "head confidence (EAGLE-2); auto = per step, the size with the most "
+                        "expected tokens/s under the target's verify-cost curve (measured at "
+                        "first use); 0 = a chain of k tokens (default: %(default)s)")
+    g.add_argument("--tree-topk", type=int, default=4,
+                   help="head methods: children kept per expanded tree node (default: %(default)s)")
+    g.add_argument("--lookup", action="store_true",
+                   help="head methods: add the prompt-lookup continuation (as --method ngram "
+                        "finds it, k long) to every draft as one more branch, priced by its "
+                        "measured acceptance; pays on edits and summaries")
+    g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix to look up")
+    g.add_argument("--ngram-max", type=int, default=4, help="longest suffix to look up")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the max")
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="most new tokens (default: %(default)s)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+
+def sampling_config(args: argparse.Namespace) -> SamplingConfig:
+    """The SamplingConfig of the arguments add_sampling_args defined."""
+    return SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
