@@ -1,0 +1,280 @@
+"""Many sequences, one target pass: the packed batch, the KV cache pool and the torch runtime
+over both (the seam the batch-first engine is built on).
+
+Owns: `PackedBatch`, the whole contract of one batched pass (vLLM's `SpecDecodeMetadata` is the
+model: flattened tokens, per-member offsets, positions, tree masks, and the rows whose logits
+are wanted); `CachePool`, KV memory for many sequences sized by a byte budget; `Capabilities`,
+what a runtime can do, declared once; and `BatchTorchRuntime`, which runs a packed batch
+through our Transformer.
+
+The pool hands each sequence one contiguous region of cache slots, reserved at admission for
+what it can ever hold (prompt + new tokens + one verify pass of slack), from one buffer per
+layer: memory is a byte budget shared by whatever mix of long and short sequences is running,
+not slots x context. A region's slot i holds the sequence's i-th cached token, so attention
+reads a region in place (no gather), and rollback is setting the length, as in the one-sequence
+runtime. A pass over several sequences runs every matmul once over all their rows (the weights
+are read once: the whole point of batching on a CPU) and attention per sequence over its own
+region; a row's attention never sees another sequence.
+
+    buffer (per layer)  | seq 3 ...........|    free    | seq 1 .....| seq 7 ....... |  free  |
+                          ^start  ^length   ^start+size
+
+Invariants: a member's new tokens are written at region slots length .. length+T-1 and the
+length advances by T; `commit(seq, base, rows)` keeps the pass's rows `rows` (ascending: the
+pending token and an accepted path) as slots base.. and drops the rest (a chain's accepted rows
+are a prefix: the compaction is then a no-op). Never samples, never tokenizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from forerun.runtime.base import ForwardOutput
+from forerun.runtime.torch_model import TorchRuntime, rms_norm, rope_tables
+
+
+class PoolFull(RuntimeError):
+    """The cache pool has no free region large enough: queue the request, or refuse it."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a runtime can do, declared once (never probed with getattr)."""
+
+    hidden_layers: bool = False  # returns block outputs and the final normed state per row
+    reduced_vocab: bool = False  # logits over a kept subset of the vocabulary (limit_vocab)
+    cuda_graphs: bool = False  # replays static decode passes as CUDA graphs
+    tree_masks: bool = True  # a member may verify a token tree in the pass
+    hidden_costs_logits: bool = False  # a hidden row costs an LM-head row (llama.cpp)
+    max_batch: int = 0  # most sequences in one pass (0 = as many as the pool holds)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One pass over several sequences. Member b feeds tokens[cu[b]:cu[b+1]] to sequence
+    seqs[b], appended at its cache length (positions: that length onwards for a chain, or its
+    tree's depths offset by that length); tree_masks[b] is its [T_b, T_b] mask among its new
+    tokens (None = causal). `logit_rows` are the flattened rows whose logits are wanted (None
+    = every row): a prefill wants only its last row, a verify every row of its draft."""
+
+    seqs: tuple[int, ...]  # [B] sequence handles of the pool
+    tokens: torch.Tensor  # [N] int64, the members' new tokens one after another
+    cu: tuple[int, ...]  # [B+1] member b's rows are cu[b] .. cu[b+1]-1
+    positions: torch.Tensor | None = None  # [N] absolute positions; None = chains
+    tree_masks: tuple[torch.Tensor | None, ...] | None = None  # [B] of [T_b, T_b] bool or None
+    logit_rows: torch.Tensor | None = None  # [R] int64 rows of the N; None = all N
+
+    @staticmethod
+    def of(members: list[tuple[int, torch.Tensor]], *, last_only: bool = False,
+           positions: list[torch.Tensor | None] | None = None,
+           tree_masks: list[torch.Tensor | None] | None = None) -> PackedBatch:
+        """Pack (seq, tokens [T_b]) members; `positions` per member are relative to the
+        member's own cache length (a tree's depths), None = a chain."""
+        cu = [0]
+        for _, toks in members:
+            cu.append(cu[-1] + len(toks))
+        tokens = torch.cat([t for _, t in members]) if members else torch.empty(0, dtype=torch.long)
+        rows = torch.tensor([c - 1 for c in cu[1:]]) if last_only else None  # [B]
+        rel = None
+        if positions is not None and any(p is not None for p in positions):
+            rel = torch.cat([p if p is not None else torch.arange(len(t))
+                             for p, (_, t) in zip(positions, members, strict=True)])
+        masks = tuple(tree_masks) if tree_masks is not None else None
+        return PackedBatch(tuple(s for s, _ in members), tokens.long(), tuple(cu), rel, masks,
+                           rows)
+
+    @property
+    def size(self) -> int:
+        return len(self.seqs)
+
+    def rows_of(self, b: int) -> slice:
+        return slice(self.cu[b], self.cu[b + 1])
+
+
+@dataclass
+class Region:
+    start: int  # first slot of the region in the pool's buffer
+    size: int  # slots reserved
+    length: int = 0  # slots holding cached tokens
+
+
+class CachePool:
+    """KV memory for many sequences: one [L, Hkv, S, hd] key and value buffer sized by a byte
+    budget, handed out as contiguous regions (first fit; freed regions merge with their
+    neighbours)."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, budget_bytes: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.bytes_per_token = 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize
+        self.slots = budget_bytes // self.bytes_per_token
+        if self.slots < 1:
+            raise ValueError(f"a cache budget of {budget_bytes} bytes holds no token "
+                             f"({self.bytes_per_token} bytes each)")
+        shape = (n_layers, n_kv_heads, self.slots, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._free: list[tuple[int, int]] = [(0, self.slots)]  # (start, size), by start
+        self._regions: dict[int, Region] = {}
+        self._next = 0
+
+    def allocate(self, tokens: int) -> int:
+        """A new sequence that can cache up to `tokens` tokens -> its handle; PoolFull if no
+        free region is large enough (a finishing sequence frees one)."""
+        if tokens < 1:
+            raise ValueError(f"a sequence needs at least one slot, got {tokens}")
+        for i, (start, size) in enumerate(self._free):
+            if size >= tokens:
+                self._free[i:i + 1] = [(start + tokens, size - tokens)] if size > tokens else []
+                handle, self._next = self._next, self._next + 1
+                self._regions[handle] = Region(start, tokens)
+                return handle
+        raise PoolFull(f"no free cache region of {tokens} slots "
+                       f"({self.free_slots} of {self.slots} slots free, fragmented)")
+
+    def release(self, seq: int) -> None:
+        region = self._regions.pop(seq)
+        spans = sorted([*self._free, (region.start, region.size)])
+        merged: list[tuple[int, int]] = []
+        for start, size in spans:  # coalesce neighbours
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((start, size))
+        self._free = merged
+
+    def region(self, seq: int) -> Region:
+        return self._regions[seq]
+
+    @property
+    def free_slots(self) -> int:
+        return sum(size for _, size in self._free)
+
+    @property
+    def live(self) -> int:
+        return len(self._regions)
+
+
+class BatchTorchRuntime:
+    """Our Transformer over a CachePool: `forward(batch)` runs one pass for every member.
+
+    Built from a `TorchRuntime` (its weights, prepacked linears, RoPE tables and LM head are
+    shared, not copied); its own one-sequence cache is left alone."""
+
+    def __init__(self, runtime: TorchRuntime, budget_bytes: int, capacity: int | None = None):
+        cfg = runtime.config
+        self.config, self.single = cfg, runtime
+        self.capacity = min(capacity or runtime.capacity, cfg.context_length)
+        self.pool = CachePool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, budget_bytes,
+                              runtime.dtype, runtime.device)
+        self.cos, self.sin = runtime.cos, runtime.sin
+        if self.cos.shape[0] < self.capacity:  # RoPE tables for every position a member uses
+            self.cos, self.sin = rope_tables(cfg, self.capacity, runtime.dtype, runtime.device)
+        self.capabilities = Capabilities(hidden_layers=True, reduced_vocab=False,
+                                         cuda_graphs=False, tree_masks=True)
+
+    # --- sequences ------------------------------------------------------------------------
+
+    def add(self, tokens: int) -> int:
+        """A new sequence that will cache at most `tokens` tokens (PoolFull when none fits)."""
+        if tokens > self.capacity:
+            raise ValueError(f"a sequence of {tokens} tokens exceeds the context "
+                             f"{self.capacity}")
+        return self.pool.allocate(tokens)
+
+    def release(self, seq: int) -> None:
+        self.pool.release(seq)
+
+    def length(self, seq: int) -> int:
+        return self.pool.region(seq).length
+
+    def commit(self, seq: int, base: int, rows: list[int]) -> None:
+        """After a pass that appended a member's tokens at slot `base`: keep its rows `rows`
+        (ascending indices into that member's tokens) as slots base.., drop the rest."""
+        r = self.pool.region(seq)
+        if rows and not (rows[0] >= 0 and base + rows[-1] < r.length):
+            raise ValueError(f"rows {rows} are not in the last pass ({r.length - base} tokens)")
+        if rows != list(range(len(rows))):  # a chain's prefix needs no move
+            src = torch.tensor(rows, device=self.pool.k.device) + r.start + base  # [n]
+            dst = slice(r.start + base, r.start + base + len(rows))
+            self.pool.k[:, :, dst] = self.pool.k[:, :, src]  # [L, Hkv, n, hd]
+            self.pool.v[:, :, dst] = self.pool.v[:, :, src]
+        r.length = base + len(rows)
+
+    def truncate(self, seq: int, length: int) -> None:
+        r = self.pool.region(seq)
+        if not 0 <= length <= r.length:
+            raise ValueError(f"cannot truncate a cache of {r.length} tokens to {length}")
+        r.length = length
+
+    # --- the pass -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: PackedBatch, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """-> logits [R, V] for batch.logit_rows (all N rows when None), and the hidden
+        states layer -> [N, D] of every row."""
+        regions = [self.pool.region(s) for s in batch.seqs]
+        starts = [r.length for r in regions]
+        for b, r in enumerate(regions):
+            n = batch.cu[b + 1] - batch.cu[b]
+            if r.length + n > r.size:
+                raise ValueError(f"sequence {batch.seqs[b]}: {r.length} + {n} tokens exceed "
+                                 f"its {r.size} reserved slots")
+        device = self.pool.k.device
+        positions = self._positions(batch, starts).to(device)  # [N]
+        cos, sin = self.cos[positions], self.sin[positions]  # [N, hd]
+        masks = [self._mask(starts[b], batch.cu[b + 1] - batch.cu[b],
+                            batch.tree_masks[b] if batch.tree_masks else None, device)
+                 for b in range(batch.size)]
+        model = self.single.model
+        x = model.embed(batch.tokens.to(device))  # [N, D]
+        hidden = {}
+        for i, layer in enumerate(model.layers):
+            x = self._block(layer, i, x, cos, sin, batch, regions, starts, masks)
+            if i in hidden_layers:
+                hidden[i] = x
+        for b, r in enumerate(regions):
+            r.length = starts[b] + batch.cu[b + 1] - batch.cu[b]
+        rows = x if batch.logit_rows is None else x[batch.logit_rows.to(device)]
+        _, logits = self.single.head(rows)  # [R, V]
+        if -1 in hidden_layers:  # the final normed state of every row, as the heads read it
+            hidden[-1] = rms_norm(x, model.norm, self.config.norm_eps)
+        return ForwardOutput(logits.cpu(), hidden)
+
+    def _block(self, layer, i: int, x, cos, sin, batch: PackedBatch, regions, starts, masks):
+        """One decoder block over the packed rows x [N, D]: q/k/v, output and MLP matmuls over
+        all rows at once; attention per member over its own region of the cache."""
+        q, k, v = layer.qkv(x, cos, sin)  # [H, N, hd], [Hkv, N, hd], [Hkv, N, hd]
+        kc, vc = self.pool.k[i], self.pool.v[i]  # [Hkv, S, hd]
+        outs = []
+        for b, r in enumerate(regions):
+            rows, s = batch.rows_of(b), r.start + starts[b]
+            T = rows.stop - rows.start
+            kc[:, s:s + T], vc[:, s:s + T] = k[:, rows], v[:, rows]
+            keys, values = kc[:, r.start:s + T], vc[:, r.start:s + T]  # [Hkv, S_b, hd]
+            outs.append(F.scaled_dot_product_attention(
+                q[:, rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                attn_mask=masks[b], enable_gqa=True))  # [1, H, T_b, hd]
+        return layer.finish(x, torch.cat(outs, dim=2))  # [N, D]
+
+    @staticmethod
+    def _positions(batch: PackedBatch, starts: list[int]) -> torch.Tensor:
+        offsets = torch.cat([torch.full((batch.cu[b + 1] - batch.cu[b],), starts[b])
+                             for b in range(batch.size)])  # [N]
+        if batch.positions is None:
+            rel = torch.cat([torch.arange(batch.cu[b + 1] - batch.cu[b])
+                             for b in range(batch.size)])
+        else:
+            rel = batch.positions
+        return offsets + rel
+
+    @staticmethod
+    def _mask(start: int, T: int, tree_mask, device) -> torch.Tensor | None:
+        """[T, start+T] bool: every cached slot of the member, then causal (or its tree)."""
+        if T == 1 and tree_mask is None:
+            return None
+        new = tree_mask.bool() if tree_mask is not None else torch.ones(T, T, dtype=torch.bool
+                                                                        ).tril()
+        return torch.cat([torch.ones(T, start, dtype=torch.bool), new], dim=1).to(device)
