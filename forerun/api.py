@@ -124,6 +124,20 @@ def check_same_vocabulary(target: ModelSource, draft: ModelSource) -> None:
             "use the target's tokenizer; pick a draft from the same family or use --method ngram.")
 
 
+def load_draft(target: ModelSource, draft: ModelSource, load: LoadConfig) -> Runtime:
+    """The draft model's runtime for `target`: the vocabularies checked before any weights
+    load, then the draft in load.draft_dtype, cut to load.draft_vocab tokens if asked."""
+    check_same_vocabulary(target, draft)
+    runtime = draft.load(dtype=load.draft_dtype, device=load.device, context=load.context,
+                         runtime=load.runtime)
+    if load.draft_vocab > 0:
+        if not hasattr(runtime, "limit_vocab"):
+            raise ModelError(f"a reduced draft vocabulary needs the torch runtime, not "
+                             f"{load.runtime}")
+        runtime.limit_vocab(target.tokenizer.frequent_ids(load.draft_vocab))
+    return runtime
+
+
 class Engine:
     def __init__(self, target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, *,
                  spec: SpecConfig | None = None, load: LoadConfig | None = None):
@@ -133,18 +147,9 @@ class Engine:
             raise ModelError(f"{target}: architecture not supported by the torch runtime "
                              "(supported: llama, qwen2)")
         draft_src = open_model(draft) if draft and spec.method == "draft" else None
-        if draft_src is not None:
-            check_same_vocabulary(target_src, draft_src)  # before any weights load
-        kwargs = {"dtype": load.dtype, "device": load.device, "context": load.context,
-                  "runtime": load.runtime}
-        draft_kwargs = kwargs | {"dtype": load.draft_dtype}
-        draft_rt = draft_src.load(**draft_kwargs) if draft_src else None
-        if draft_rt is not None and load.draft_vocab > 0:
-            if not hasattr(draft_rt, "limit_vocab"):
-                raise ModelError(f"a reduced draft vocabulary needs the torch runtime, not "
-                                 f"{load.runtime}")
-            draft_rt.limit_vocab(target_src.tokenizer.frequent_ids(load.draft_vocab))
-        target_rt = target_src.load(**kwargs)
+        draft_rt = load_draft(target_src, draft_src, load) if draft_src else None
+        target_rt = target_src.load(dtype=load.dtype, device=load.device, context=load.context,
+                                    runtime=load.runtime)
         heads = None
         if load.heads:
             heads = load_heads(load.heads, target_io(target_src, target_rt), target_src.name,

@@ -85,6 +85,11 @@ class TextTokenizer:
             return self.encode(prompt)
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]
+        return self.encode_chat(messages)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids for a whole conversation (`[{"role": ..., "content": ...}, ...]`) through
+        the chat template, ending where the assistant's next reply begins."""
         # The template writes BOS itself where the model wants it.
         return self.encode(self.apply_chat_template(messages), add_special=False)
 

@@ -134,10 +134,9 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
 
     def chat_ids(body: ChatRequest) -> list[int]:
         try:
-            text = engine.tokenizer.apply_chat_template(chat_messages(body.messages))
+            return engine.tokenizer.encode_chat(chat_messages(body.messages))
         except (ModelError, jinja2.TemplateError) as e:
             raise APIError(400, str(e), param="messages") from e
-        return engine.tokenizer.encode(text, add_special=False)
 
     def budget(body: CompletionRequest | ChatRequest, ids: list[int]) -> int:
         """max_tokens, checked against the limit and the context."""
