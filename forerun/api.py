@@ -25,6 +25,7 @@ from forerun.propose import PROPOSERS, SpecConfig
 from forerun.reference import plain_decode
 from forerun.runtime.base import Runtime
 from forerun.sampling import SamplingConfig, make_generator
+from forerun.stopping import StopStrings
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -215,15 +216,16 @@ class Engine:
                 policy = CappedK(policy, k_cap)
             steps = speculative_decode(self.target, proposer, policy, ids, sampling, max_tokens,
                                        stop_ids, generator)
-        decoder, text, sent = IncrementalDecoder(self.tokenizer), "", 0
+        decoder, stops, text, sent = IncrementalDecoder(self.tokenizer), StopStrings(stop), "", 0
         for step in steps:
-            text += decoder.push(step.tokens, final=step.finish_reason is not None)
-            hit = _find_stop(text, stop, sent)
+            new = decoder.push(step.tokens, final=step.finish_reason is not None)
+            text += new
+            hit = stops.feed(new)
             if hit is not None:
                 yield Chunk(text[sent:hit], step.tokens, replace(step, finish_reason="stop"))
                 return
             # hold back a tail that may be the start of a stop string
-            safe = len(text) if step.finish_reason else len(text) - _stop_prefix(text, stop)
+            safe = len(text) if step.finish_reason else len(text) - stops.held
             yield Chunk(text[sent:safe], step.tokens, step)
             sent = safe
 
@@ -255,5 +257,8 @@ def _find_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:
 
 
 def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    """Length of the longest tail of `text` (which holds no whole stop string) that is a proper
+    prefix of a stop string; O(len(text) + total stop length), see StopStrings."""
+    matcher = StopStrings(stops)
+    matcher.feed(text)
+    return matcher.held

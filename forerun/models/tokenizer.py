@@ -1,23 +1,22 @@
 """Tokenizers and chat templates, from GGUF metadata or a Hugging Face directory.
 
 Owns: text <-> token ids, the chat template, the stop tokens, and incremental detokenization for
-streaming. BPE runs in the `tokenizers` library; chat templates render with Jinja2's sandbox, as
-Hugging Face does. Never touches weights.
+streaming. BPE runs in the `tokenizers` library; chat templates render in a bounded Jinja2 sandbox
+(`forerun.models.chat_template`: they are untrusted code). Never touches weights.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from forerun.models.catalog import ModelError
+from forerun.models.chat_template import compile_template, render
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre` (as in the models' tokenizer.json).
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
@@ -69,15 +68,10 @@ class TextTokenizer:
         if self.chat_template is None:
             raise ModelError("this model has no chat template; use --raw to send the prompt as is")
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
-                x, ensure_ascii=False, indent=indent)
-            env.globals["raise_exception"] = _raise_template_error
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            self._template = compile_template(self.chat_template)
+        return render(self._template, messages=messages,
+                      add_generation_prompt=add_generation_prompt,
+                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     def encode_prompt(self, prompt: str, *, raw: bool = False, system: str | None = None) -> list:
         """Token ids for a user prompt: through the chat template unless `raw`."""
@@ -92,10 +86,6 @@ class TextTokenizer:
         the chat template, ending where the assistant's next reply begins."""
         # The template writes BOS itself where the model wants it.
         return self.encode(self.apply_chat_template(messages), add_special=False)
-
-
-def _raise_template_error(message: str):
-    raise ModelError(f"chat template error: {message}")
 
 
 class IncrementalDecoder:

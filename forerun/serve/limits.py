@@ -10,6 +10,7 @@ MAX_TOKENS_LIMIT = 4096  # --max-tokens-limit: the largest max_tokens a request 
 MAX_K = 16  # the longest draft a request may ask for
 MAX_N = 8  # choices per request
 MAX_STOP = 4  # stop strings per request, as OpenAI
+MAX_STOP_CHARS = 256  # characters per stop string
 MAX_SEED = 2**63 - 1
 # How often a non-streaming request checks that its client is still there; uvicorn notices a
 # closed connection only after the first check resumes reading it, so leaving takes two checks.

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from forerun.serve.limits import MAX_K, MAX_N, MAX_SEED, MAX_STOP
+from forerun.serve.limits import MAX_K, MAX_N, MAX_SEED, MAX_STOP, MAX_STOP_CHARS
 
 GREEDY_BELOW = 1e-5
 
@@ -152,6 +152,10 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP:
         raise APIError(400, f"at most {MAX_STOP} stop strings, got {len(stops)}", param="stop")
+    for s in stops:
+        if len(s) > MAX_STOP_CHARS:
+            raise APIError(400, f"a stop string may have at most {MAX_STOP_CHARS} characters, "
+                           f"got {len(s)}", param="stop")
     return tuple(s for s in stops if s)
 
 
