@@ -1,0 +1,186 @@
+"""The batch step: every live sequence advances by one target pass shared with all the others.
+
+Owns: `Sequence`, the one record of a sequence's state (tokens, cache handle, drafter,
+length policy, generator, sampling, limits), and `step`, the phases of one pass over a batch:
+
+  1. propose   each decoding member drafts up to its k (its policy's choice; k = 0 is a plain
+               decoding step); a new member's prompt is its prefill
+  2. pack      every member's new tokens into one PackedBatch (pending token + draft; a tree
+               with its mask and depths)
+  3. forward   one target pass over all of them
+  4. verify    per member, on its own rows: greedy from one argmax over the batch, or
+               rejection sampling with its own generator (seeded requests reproduce whatever
+               they are batched with)
+  5. commit    each member's cache keeps its accepted path; its drafter forgets the rest
+  6. adapt     each member's policy sees what was accepted
+  7. emit      stop tokens, token budgets and context room, as the one-sequence loop
+
+Cache invariant (as in `forerun.engine`): before a decoding member's verify, the target's
+cache holds every token of the sequence but the last (the pending token). A member's drafter
+is its own (a draft model fork, a lookup index), so drafting is per member; the target pass,
+where the time goes, is shared. Knows nothing of text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from forerun.metrics import Step
+from forerun.policy import LengthPolicy
+from forerun.propose.base import Draft, Proposer
+from forerun.runtime.batch import BatchTorchRuntime, PackedBatch
+from forerun.sampling import SamplingConfig, logits_to_probs, next_token
+from forerun.stopping import check_prompt, cut
+from forerun.tree import TokenTree
+from forerun.verify import (
+    TreeVerdict,
+    greedy_accept,
+    recursive_rejection_sample,
+    rejection_sample,
+)
+
+
+@dataclass
+class Sequence:
+    """Everything one sequence of a batch owns. `proposer` None = plain decoding."""
+
+    prompt: list[int]
+    sampling: SamplingConfig
+    max_new_tokens: int
+    generator: torch.Generator
+    stop_ids: Collection[int]
+    proposer: Proposer | None = None
+    policy: LengthPolicy | None = None
+    max_k: int = 0  # the most draft nodes a step may verify (reserves cache slack)
+    handle: int = -1  # the cache pool's region; -1 = not admitted
+    tokens: list[int] = field(default_factory=list)  # prompt + emitted (+ pending)
+    emitted: int = 0
+    finish: str | None = None
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def prefilled(self) -> bool:
+        return bool(self.tokens)
+
+    def slots(self) -> int:
+        """Cache slots it can ever need: prompt, new tokens, one verify pass beyond them."""
+        return len(self.prompt) + self.max_new_tokens + self.max_k + 1
+
+
+def admit(runtime: BatchTorchRuntime, seq: Sequence) -> None:
+    """Reserve the sequence's cache region (PoolFull when it does not fit now)."""
+    check_prompt(seq.prompt, runtime.capacity)
+    seq.handle = runtime.add(min(seq.slots(), runtime.capacity))
+    if seq.proposer is not None:
+        seq.proposer.prefill(seq.prompt)
+
+
+def retire(runtime: BatchTorchRuntime, seq: Sequence) -> None:
+    if seq.handle >= 0:
+        runtime.release(seq.handle)
+        seq.handle = -1
+
+
+def step(runtime: BatchTorchRuntime, live: list[Sequence]) -> list[Step]:
+    """One target pass for every sequence in `live` (admitted, unfinished) -> their Steps."""
+    # 1. Propose: prompts for new members, pending token + draft for the others.
+    drafts = [_propose(runtime, s) if s.prefilled else None for s in live]
+    # 2. Pack every member's new tokens into one pass.
+    feeds, trees = [], []
+    for s, d in zip(live, drafts, strict=True):
+        if d is None:
+            feeds.append(torch.tensor(s.prompt))
+            trees.append(None)
+        else:
+            feeds.append(torch.cat([torch.tensor(s.tokens[-1:]), d.tokens]))  # [N_b+1]
+            trees.append(TokenTree.of(d.parents, len(d.tokens)))
+    batch = PackedBatch.of(
+        [(s.handle, f) for s, f in zip(live, feeds, strict=True)],
+        positions=[None if t is None or t.is_chain else t.positions(0) for t in trees],
+        tree_masks=[None if t is None or t.is_chain else t.mask() for t in trees])
+    wanted, first_row = [], []  # logits of a prefill's last row, of every row of a verify
+    for b, d in enumerate(drafts):
+        first_row.append(len(wanted))
+        rows = batch.rows_of(b)
+        wanted.extend([rows.stop - 1] if d is None else range(rows.start, rows.stop))
+    batch = replace(batch, logit_rows=torch.tensor(wanted))
+    bases = [runtime.length(s.handle) for s in live]
+    # 3. One target pass over all of them.
+    logits = runtime.forward(batch).logits  # [R, V], the wanted rows
+    best = logits.argmax(-1).tolist()  # [R]: one host sync serves every greedy member
+    now = time.perf_counter()
+    out = []
+    for b, (s, d, tree) in enumerate(zip(live, drafts, trees, strict=True)):
+        if d is None:  # a prefill: sample the first token from its last row
+            row = first_row[b]
+            first = (best[row] if s.sampling.greedy
+                     else next_token(logits[row], s.sampling, s.generator))
+            out.append(_emit(runtime, s, [first], 0, 0, now, prefill=True))
+            continue
+        # 4. Verify on the member's own rows.
+        rows = slice(first_row[b], first_row[b] + len(d.tokens) + 1)
+        if s.proposer is None:  # plain decoding: the token plain_decode would draw
+            token = best[rows.start] if s.sampling.greedy else next_token(
+                logits[rows.start], s.sampling, s.generator)
+            verdict = TreeVerdict([token], [])
+        elif s.sampling.greedy:
+            verdict = greedy_accept(tree, d.tokens, torch.tensor(best[rows]))
+        else:
+            p = logits_to_probs(logits[rows], s.sampling)  # [N_b+1, V]
+            verdict = (rejection_sample(d.tokens, p, d.q, s.generator) if tree.is_chain
+                       else recursive_rejection_sample(tree, d.tokens, p, d.q, s.generator))
+        # 5. Commit the accepted path in the cache and the drafter.
+        runtime.commit(s.handle, bases[b], [0, *(i + 1 for i in verdict.path)])
+        s.tokens.extend(verdict.tokens)
+        drafted = max(tree.depth, default=0)
+        if s.proposer is not None:
+            s.proposer.commit(len(s.tokens) - 1)
+            # 6. Adapt the member's draft length.
+            s.policy.update(drafted, len(verdict.path))
+        # 7. Emit.
+        out.append(_emit(runtime, s, verdict.tokens, drafted, len(verdict.path), now))
+    return out
+
+
+def _propose(runtime: BatchTorchRuntime, s: Sequence) -> Draft:
+    if s.proposer is None:
+        return Draft.empty()
+    room = runtime.pool.region(s.handle).size - len(s.tokens)  # slots after the pending token
+    k = max(0, min(s.policy.next_k(), s.max_new_tokens - s.emitted - 1, room, s.max_k))
+    return s.proposer.propose(s.tokens, k, s.sampling, s.generator).fit(min(room, s.max_k))
+
+
+def _emit(runtime: BatchTorchRuntime, s: Sequence, tokens: list[int], drafted: int,
+          accepted: int, now: float, prefill: bool = False) -> Step:
+    if prefill:
+        s.tokens = [*s.prompt, *tokens]
+    room = runtime.capacity - len(s.prompt) - s.emitted
+    emitted, s.finish = cut(tokens, s.stop_ids, s.max_new_tokens - s.emitted, room)
+    s.emitted += len(emitted)
+    result = Step(emitted, drafted, accepted, now, s.finish, prefill=prefill)
+    s.steps.append(result)
+    return result
+
+
+def run_to_completion(runtime: BatchTorchRuntime, seqs: list[Sequence],
+                      max_batch: int | None = None) -> None:
+    """Decode every sequence: admit while the pool and `max_batch` allow, step the live ones
+    together, retire the finished (their regions go to the waiting)."""
+    waiting, live = list(seqs), []
+    while waiting or live:
+        while waiting and (max_batch is None or len(live) < max_batch):
+            try:
+                admit(runtime, waiting[0])
+            except RuntimeError:  # PoolFull: wait for a member to finish
+                if not live:
+                    raise
+                break
+            live.append(waiting.pop(0))
+        step(runtime, live)
+        for s in [s for s in live if s.finish]:
+            retire(runtime, s)
+            live.remove(s)

@@ -1,0 +1,128 @@
+"""The batch step is lossless: every sequence of a batch gets exactly its solo output.
+
+Properties (tiny float64 models): greedy, each member's tokens equal its own plain greedy
+decoding, token for token, whatever it is batched with: plain, n-gram and draft-model members
+with different k, prompt lengths and budgets in one batch, members admitted as others finish
+(more sequences than the batch holds, a pool too small for all at once); every speculative
+member drafted; a seeded sampled member gives the same tokens alone and in a batch; draft =
+target accepts every draft token in a batch too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from forerun.batch_engine import Sequence, run_to_completion
+from forerun.policy import POLICIES
+from forerun.propose import PROPOSERS, SpecConfig
+from forerun.reference import plain_decode
+from forerun.runtime.batch import BatchTorchRuntime, PoolFull
+from forerun.runtime.torch_model import TorchRuntime
+from forerun.sampling import SamplingConfig, make_generator
+
+BUDGET = 1 << 20  # bytes: ~1,000 tokens of the tiny model
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [10, 20, 30, 40, 50, 60], [7, 7, 8],
+           [5, 4, 3, 2, 1, 5, 4, 3, 2, 1, 5, 4], [33] * 9, [9, 19, 29, 39, 49]]
+
+
+def _solo(prompt, max_new, sampling=None, seed=0):
+    rt = TorchRuntime(tiny_model(0), capacity=256)
+    steps = plain_decode(rt, list(prompt), sampling or SamplingConfig(), max_new, (),
+                         make_generator(seed))
+    return [t for s in steps for t in s.tokens]
+
+
+def _batch_runtime(budget=BUDGET):
+    return BatchTorchRuntime(TorchRuntime(tiny_model(0), capacity=256), budget)
+
+
+def _member(method, k, prompt, max_new, *, policy="fixed", sampling=None, seed=0,
+            draft_seed=0, noise=0.05):
+    sampling = sampling or SamplingConfig()
+    if method == "none":
+        return Sequence(list(prompt), sampling, max_new, make_generator(seed), ())
+    target = TorchRuntime(tiny_model(0), capacity=256)  # a solo view for the factories
+    draft = TorchRuntime(tiny_model(draft_seed, noise=noise), capacity=256)
+    spec = SpecConfig(method, k, policy)
+    proposer = PROPOSERS[method](spec, target, draft)
+    return Sequence(list(prompt), sampling, max_new, make_generator(seed), (), proposer,
+                    POLICIES[policy](spec, target, proposer.runtime), max_k=k)
+
+
+def _tokens(seq):
+    return [t for s in seq.steps for t in s.tokens]
+
+
+MIX = [("none", 0, 0, 30), ("ngram", 4, 0, 40), ("draft", 3, 1, 25), ("draft", 5, 3, 40),
+       ("ngram", 2, 4, 17), ("none", 0, 5, 12)]
+
+
+@pytest.mark.parametrize("max_batch", [None, 2, 4])
+def test_greedy_members_equal_their_solo_plain_output(max_batch):
+    runtime = _batch_runtime()
+    seqs = [_member(m, k, PROMPTS[p], n) for m, k, p, n in MIX]
+    run_to_completion(runtime, seqs, max_batch=max_batch)
+    for seq, (method, _k, p, n) in zip(seqs, MIX, strict=True):
+        assert _tokens(seq) == _solo(PROMPTS[p], n), method
+        assert len(_tokens(seq)) == n
+        if method != "none":
+            assert sum(s.drafted for s in seq.steps) > 0, method
+    assert runtime.pool.live == 0 and runtime.pool.free_slots == runtime.pool.slots
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("draft_seed", [0, 7])  # a draft that agrees often, one that rarely does
+def test_greedy_equality_with_policies_and_disagreeing_drafts(policy, draft_seed):
+    runtime = _batch_runtime()
+    seqs = [_member("draft", k, PROMPTS[p], 30, policy=policy, draft_seed=draft_seed)
+            for k, p in ((2, 0), (4, 1), (6, 2))]
+    run_to_completion(runtime, seqs)
+    for seq, p in zip(seqs, (0, 1, 2), strict=True):
+        assert _tokens(seq) == _solo(PROMPTS[p], 30)
+        assert sum(s.drafted for s in seq.steps) > 0
+
+
+def test_a_small_pool_admits_sequences_as_others_finish():
+    per_seq = (13 + 30 + 5) * 2 * 2 * 2 * 8 * 8  # slots x (k, v) x layers x kv heads x hd x f64
+    runtime = _batch_runtime(budget=2 * per_seq)  # two sequences at a time
+    seqs = [_member("ngram", 4, PROMPTS[i % 4], 30) for i in range(5)]
+    run_to_completion(runtime, seqs)
+    for i, seq in enumerate(seqs):
+        assert _tokens(seq) == _solo(PROMPTS[i % 4], 30)
+    with pytest.raises(PoolFull):  # one that never fits, with nothing running to wait for
+        run_to_completion(_batch_runtime(budget=per_seq // 4), [_member("none", 0, PROMPTS[0], 30)])
+
+
+def test_a_seeded_sampled_member_is_the_same_alone_and_in_a_batch():
+    hot = SamplingConfig(temperature=1.0)
+    alone = _member("draft", 3, PROMPTS[1], 25, sampling=hot, seed=11)
+    run_to_completion(_batch_runtime(), [alone])
+    crowd = [_member("ngram", 4, PROMPTS[0], 40),
+             _member("draft", 3, PROMPTS[1], 25, sampling=hot, seed=11),
+             _member("none", 0, PROMPTS[2], 10, sampling=SamplingConfig(temperature=0.7), seed=3)]
+    run_to_completion(_batch_runtime(), crowd)
+    assert _tokens(crowd[1]) == _tokens(alone)
+    assert len(_tokens(alone)) == 25
+
+
+def test_draft_equal_to_target_accepts_everything_in_a_batch():
+    runtime = _batch_runtime()
+    seqs = [_member("draft", 4, PROMPTS[p], 21, noise=0.0, sampling=SamplingConfig(t))
+            for p, t in ((1, 0.0), (2, 1.0))]
+    run_to_completion(runtime, seqs)
+    for seq in seqs:
+        verify = [s for s in seq.steps if not s.prefill]
+        assert all(s.accepted == s.drafted == 4 for s in verify)
+        assert len(_tokens(seq)) == 21
+
+
+def test_plain_members_sample_like_plain_decoding():
+    """A k = 0 member samples its tokens from p as plain decoding does (one generator draw a
+    token), so a seeded plain request reproduces `plain_decode`'s own samples."""
+    hot = SamplingConfig(temperature=1.0)
+    seq = _member("none", 0, PROMPTS[3], 20, sampling=hot, seed=5)
+    run_to_completion(_batch_runtime(), [seq, _member("ngram", 4, PROMPTS[0], 30)])
+    assert _tokens(seq) == _solo(PROMPTS[3], 20, hot, seed=5)
+    torch.testing.assert_close(torch.tensor(1), torch.tensor(1))
