@@ -634,18 +634,19 @@ def test_chat_prompts_are_not_benchmark_rows():
 def test_collection_for_other_layers_reuses_the_chat_replies(tmp_path, monkeypatch):
     """EAGLE-3 reads other layers than EAGLE-1 on the same corpus: its collection takes the
     token windows (the slow greedy chat replies) from the EAGLE-1 one, and with one chat
-    question more generates only that reply; the sibling folders are found by name."""
+    question more generates only that reply; the sibling folders are found by their manifests,
+    whatever the folders are called."""
     from safetensors.torch import load_file
 
-    import forerun.train as train_module
     from forerun.api import Engine, LoadConfig
-    from forerun.train import collect, sibling_collections
+    from forerun.train import collect, manifest, sibling_collections, write_manifest
+    from forerun.train import collection as train_module
 
     target = tmp_path / "target"
     write_hf_dir(target, random_hf_weights(len(byte_tokens()), seed=0), byte_tokens())
     engine = Engine(str(target), None, spec=SpecConfig("none"), load=LoadConfig(dtype="float32"))
     cfg = TrainConfig("eagle3", max_tokens=96, seq_len=32, chat=2, chat_tokens=8)
-    first = collect(engine, cfg, (-1,), tmp_path / "m-float32-L-1-T32-C2x8")
+    first = collect(engine, cfg, (-1,), tmp_path / "a", record=manifest("m", "float32", (-1,), cfg))
 
     class Replier:  # generates one at a time, and says which
         tokenizer, target, asked = engine.tokenizer, engine.target, []
@@ -655,11 +656,14 @@ def test_collection_for_other_layers_reuses_the_chat_replies(tmp_path, monkeypat
             return engine.generate(question, **kwargs)
 
     more = replace(cfg, chat=3, max_tokens=128)
-    data = tmp_path / "m-float32-L0_1_-1-T32-C3x8"
-    (tmp_path / "m-float32-L-1-T32-C2x16").mkdir()  # other reply length: not a sibling
-    siblings = sibling_collections(data, "m", more)
-    assert siblings == ((tmp_path / "m-float32-L-1-T32-C2x8", 2, False),)
-    second = collect(engine, more, (0, 1, -1), data, Replier(), siblings)
+    data, record = tmp_path / "b", manifest("m", "float32", (0, 1, -1), more)
+    for name, other in (("c", replace(cfg, chat_tokens=16)), ("d", None)):
+        (tmp_path / name).mkdir()  # other reply length, no manifest: not siblings
+        if other is not None:
+            write_manifest(tmp_path / name, manifest("m", "float32", (-1,), other))
+    siblings = sibling_collections(data, record)
+    assert siblings == ((tmp_path / "a", 2, False),)
+    second = collect(engine, more, (0, 1, -1), data, Replier(), siblings, record)
     assert len(first) == 3 and len(second) == 4 and Replier.asked == [chat_prompts()[2]]
     for a, b in zip(first[:2], second[:2], strict=True):
         a, b = load_file(str(a)), load_file(str(b))
@@ -669,8 +673,8 @@ def test_collection_for_other_layers_reuses_the_chat_replies(tmp_path, monkeypat
     # the new reply's taken from the second, and only it is teacher-forced
     forced = []
     monkeypatch.setattr(train_module, "teacher", lambda *a: forced.append(a) or teacher(*a))
-    data = tmp_path / "m-float32-L-1-T32-C3x8"
-    third = collect(engine, more, (-1,), data, Replier(), sibling_collections(data, "m", more))
+    data, record = tmp_path / "e", manifest("m", "float32", (-1,), more)
+    third = collect(engine, more, (-1,), data, Replier(), sibling_collections(data, record))
     assert len(forced) == 1 and Replier.asked == [chat_prompts()[2]]
     for a, b in zip([*first[:2], first[2]], [*third[:2], third[3]], strict=True):
         assert a.read_bytes() == b.read_bytes()
@@ -686,9 +690,9 @@ def test_self_questions_are_the_target_s_own_and_answered_after_the_written_ones
 
     from safetensors.torch import load_file
 
-    import forerun.train as train_module
     from forerun.api import Engine, LoadConfig
     from forerun.train import chunked, code_corpus, collect, self_questions
+    from forerun.train import collection as train_module
 
     monkeypatch.setattr(train_module, "SELF_MIN_ASCII", 0.0)  # a random model's bytes
 
@@ -719,7 +723,6 @@ def test_self_tasks_wrap_the_target_s_own_passages_in_task_templates(tmp_path, m
 
     from safetensors.torch import load_file
 
-    import forerun.train as train_module
     from forerun.api import Engine, LoadConfig
     from forerun.train import (
         PASSAGE_OPENERS,
@@ -728,6 +731,7 @@ def test_self_tasks_wrap_the_target_s_own_passages_in_task_templates(tmp_path, m
         self_questions,
         self_tasks,
     )
+    from forerun.train import collection as train_module
 
     monkeypatch.setattr(train_module, "SELF_MIN_ASCII", 0.0)  # a random model's bytes
     target = tmp_path / "target"

@@ -7,7 +7,6 @@ report it prints; collecting and training are `forerun.train`.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import sys
@@ -23,7 +22,9 @@ from forerun.train import (
     CHAT_PROMPTS,
     TrainConfig,
     chat_prompts,
+    collection_key,
     head_layers,
+    manifest,
     sibling_collections,
     text_files,
     user_questions,
@@ -109,8 +110,8 @@ def run(args) -> int:
     if not 0 <= args.chat <= len(chat_prompts()):
         raise ValueError(f"--chat must be 0..{len(chat_prompts())}")
     text = tuple(str(Path(t).expanduser().resolve()) for t in args.text)
-    files = text_files(text)  # a wrong path fails here, before any model is loaded
-    asked = user_questions(tuple(args.questions))  # as does a wrong or benchmark questions file
+    text_files(text)  # a wrong path fails here, before any model is loaded
+    user_questions(tuple(args.questions))  # as does a wrong or benchmark questions file
     questions = tuple(str(Path(q).expanduser().resolve()) for q in args.questions)
     source = open_model(args.target)
     engine = Engine(args.target, None, spec=SpecConfig("none"), load=replace(load, heads=None))
@@ -132,22 +133,12 @@ def run(args) -> int:
                          "--self-chat >= 0 and --self-tasks >= 0")
     name = Path(str(args.target)).name.removesuffix(".gguf")
     layers = head_layers(args.kind, engine.target.config.n_layers)
-    corpus = f"-T{cfg.seq_len}-C{cfg.chat}x{cfg.chat_tokens}"
-    if cfg.self_chat:  # the target's own questions come after the written ones
-        corpus += f"-S{cfg.self_chat}"
-    if cfg.self_tasks:  # then the questions on its own passages
-        corpus += f"-P{cfg.self_tasks}"
-    if asked:  # then the user's own questions: the folder names what they were
-        corpus += "-Q" + hashlib.sha1("\n\x00".join(asked).encode()).hexdigest()[:8]
-    if files:  # its own data folder: the windows after the chat replies differ
-        digest = hashlib.sha1("\n".join(map(str, files)).encode()).hexdigest()[:8]
-        corpus += f"-X{digest}"
     # features come from the runtime the heads will draft on (its numerics: llama.cpp's final
-    # hidden state is ~5% off torch bf16's here); the key says which
+    # hidden state is ~5% off torch bf16's here); the manifest says which
     features = load.dtype if load.runtime == "torch" else load.runtime
-    key = f"{name}-{features}-L{'_'.join(map(str, layers))}{corpus}"
-    data = Path(args.data) if args.data else forerun_home() / "train-data" / key
-    siblings = sibling_collections(data, name, cfg)
+    record = manifest(name, features, layers, cfg)
+    data = Path(args.data) if args.data else forerun_home() / "train-data" / collection_key(record)
+    siblings = sibling_collections(data, record)
     # heads trained on another runtime's features land beside, not over, the torch ones
     suffix = "" if load.runtime == "torch" else "-" + load.runtime.replace(".", "")
     out = Path(args.out) if args.out else forerun_home() / "heads" / name / (args.kind + suffix)
@@ -157,7 +148,7 @@ def run(args) -> int:
         overrides |= {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
                       "rope_theta": c.rope_theta, "norm_eps": c.norm_eps}
     report = train_run(engine, name, cfg, out, data, args.head_vocab, replier, siblings,
-                 target_io(source, engine.target), **overrides)
+                       target_io(source, engine.target), record, **overrides)
     report["out"] = str(out)
     if not args.json:
         after = report["after"]
