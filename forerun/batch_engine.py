@@ -31,7 +31,7 @@ import torch
 
 from forerun.metrics import Step
 from forerun.policy import LengthPolicy
-from forerun.propose.base import Draft, Proposer
+from forerun.propose.base import BatchDrafter, Draft, DraftRequest, Proposer
 from forerun.runtime.batch import BatchTorchRuntime, PackedBatch
 from forerun.sampling import SamplingConfig, logits_to_probs, next_token
 from forerun.stopping import check_prompt, cut
@@ -80,6 +80,9 @@ def admit(runtime: BatchTorchRuntime, seq: Sequence) -> None:
 
 
 def retire(runtime: BatchTorchRuntime, seq: Sequence) -> None:
+    """Free the sequence's cache region, and its drafter's."""
+    if seq.proposer is not None and seq.proposer.group is not None:
+        seq.proposer.group.release(seq.proposer)
     if seq.handle >= 0:
         runtime.release(seq.handle)
         seq.handle = -1
@@ -88,7 +91,7 @@ def retire(runtime: BatchTorchRuntime, seq: Sequence) -> None:
 def step(runtime: BatchTorchRuntime, live: list[Sequence]) -> list[Step]:
     """One target pass for every sequence in `live` (admitted, unfinished) -> their Steps."""
     # 1. Propose: prompts for new members, pending token + draft for the others.
-    drafts = [_propose(runtime, s) if s.prefilled else None for s in live]
+    drafts = _propose_all(runtime, live)
     # 2. Pack every member's new tokens into one pass.
     feeds, trees = [], []
     for s, d in zip(live, drafts, strict=True):
@@ -146,12 +149,35 @@ def step(runtime: BatchTorchRuntime, live: list[Sequence]) -> list[Step]:
     return out
 
 
-def _propose(runtime: BatchTorchRuntime, s: Sequence) -> Draft:
-    if s.proposer is None:
-        return Draft.empty()
-    room = runtime.pool.region(s.handle).size - len(s.tokens)  # slots after the pending token
-    k = max(0, min(s.policy.next_k(), s.max_new_tokens - s.emitted - 1, room, s.max_k))
-    return s.proposer.propose(s.tokens, k, s.sampling, s.generator).fit(min(room, s.max_k))
+def _propose_all(runtime: BatchTorchRuntime, live: list[Sequence]) -> list[Draft | None]:
+    """Each member's draft (None for a member still to prefill). Members whose proposers share
+    a drafter (`group`) draft together, one pass per draft position for all of them."""
+    drafts: list[Draft | None] = [None] * len(live)
+    grouped: dict[int, tuple[BatchDrafter, list[tuple[int, DraftRequest]]]] = {}
+    for i, s in enumerate(live):
+        if not s.prefilled:
+            continue
+        if s.proposer is None:
+            drafts[i] = Draft.empty()
+            continue
+        k = max(0, min(s.policy.next_k(), s.max_new_tokens - s.emitted - 1, _room(runtime, s)))
+        request = DraftRequest(s.proposer, s.tokens, k, s.sampling, s.generator)
+        if s.proposer.group is None:
+            drafts[i] = s.proposer.propose(s.tokens, k, s.sampling, s.generator)
+        else:
+            grouped.setdefault(id(s.proposer.group), (s.proposer.group, []))[1].append(
+                (i, request))
+    for group, requests in grouped.values():
+        for (i, _), draft in zip(requests, group.propose([r for _, r in requests]), strict=True):
+            drafts[i] = draft
+    return [d if d is None else d.fit(_room(runtime, s)) for d, s in zip(drafts, live,
+                                                                           strict=True)]
+
+
+def _room(runtime: BatchTorchRuntime, s: Sequence) -> int:
+    """Draft nodes a verify pass of `s` may hold: its region's slots after the pending token,
+    and its max_k."""
+    return min(runtime.pool.region(s.handle).size - len(s.tokens), s.max_k)
 
 
 def _emit(runtime: BatchTorchRuntime, s: Sequence, tokens: list[int], drafted: int,

@@ -11,12 +11,12 @@ target accepts every draft token in a batch too.
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import tiny_model
 
 from forerun.batch_engine import Sequence, run_to_completion
 from forerun.policy import POLICIES
 from forerun.propose import PROPOSERS, SpecConfig
+from forerun.propose.draft_batch import SharedDraftModel
 from forerun.reference import plain_decode
 from forerun.runtime.batch import BatchTorchRuntime, PoolFull
 from forerun.runtime.torch_model import TorchRuntime
@@ -125,4 +125,47 @@ def test_plain_members_sample_like_plain_decoding():
     seq = _member("none", 0, PROMPTS[3], 20, sampling=hot, seed=5)
     run_to_completion(_batch_runtime(), [seq, _member("ngram", 4, PROMPTS[0], 30)])
     assert _tokens(seq) == _solo(PROMPTS[3], 20, hot, seed=5)
-    torch.testing.assert_close(torch.tensor(1), torch.tensor(1))
+
+
+def _shared_draft(noise=0.05, draft_seed=0):
+    draft = TorchRuntime(tiny_model(draft_seed, noise=noise), capacity=256)
+    return SharedDraftModel(BatchTorchRuntime(draft, BUDGET), 64)
+
+
+def _pooled(shared, k, prompt, max_new, sampling=None, seed=0, policy="fixed"):
+    spec = SpecConfig("draft", k, policy)
+    target = TorchRuntime(tiny_model(0), capacity=256)
+    proposer = shared.proposer(len(prompt) + max_new + k + 1)
+    return Sequence(list(prompt), sampling or SamplingConfig(), max_new, make_generator(seed),
+                    (), proposer, POLICIES[policy](spec, target, proposer.runtime), max_k=k)
+
+
+@pytest.mark.parametrize("max_batch", [None, 3])
+def test_a_shared_draft_model_drafts_every_member_in_one_pass_a_position(max_batch):
+    shared = _shared_draft()
+    calls = []
+    forward = shared.runtime.forward
+    shared.runtime.forward = lambda batch, *a, **kw: calls.append(batch.size) or forward(
+        batch, *a, **kw)
+    mix = [(2, 0, 30), (4, 1, 25), (5, 2, 40), (3, 3, 20), (4, 4, 33)]
+    seqs = [_pooled(shared, k, PROMPTS[p], n, policy="adaptive" if k == 4 else "fixed")
+            for k, p, n in mix]
+    seqs.append(_member("ngram", 4, PROMPTS[5], 18))
+    run_to_completion(_batch_runtime(), seqs, max_batch=max_batch)
+    for seq, (_k, p, n) in zip(seqs, [*mix, (4, 5, 18)], strict=True):
+        assert _tokens(seq) == _solo(PROMPTS[p], n)
+        assert sum(s.drafted for s in seq.steps) > 0
+    assert max(calls) > 1  # passes over several members
+    assert shared.runtime.pool.live == 0
+
+
+def test_a_shared_draft_equal_to_the_target_accepts_everything_and_reproduces_seeds():
+    shared = _shared_draft(noise=0.0)
+    hot = SamplingConfig(temperature=1.0)
+    seqs = [_pooled(shared, 4, PROMPTS[1], 21), _pooled(shared, 4, PROMPTS[2], 21, hot, seed=9)]
+    run_to_completion(_batch_runtime(), seqs)
+    for seq in seqs:
+        assert all(s.accepted == s.drafted == 4 for s in seq.steps if not s.prefill)
+    alone = _pooled(_shared_draft(noise=0.0), 4, PROMPTS[2], 21, hot, seed=9)
+    run_to_completion(_batch_runtime(), [alone])
+    assert _tokens(alone) == _tokens(seqs[1])

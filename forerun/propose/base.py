@@ -64,6 +64,9 @@ class AcceptanceEstimate:
 class Proposer(Protocol):
     name: str
     runtime: Runtime | None  # the model it runs once per drafted token; None = free to draft
+    # the drafter that drafts for this proposer and others in one pass (a batch's shared draft
+    # model); None = it drafts alone, through `propose`
+    group: BatchDrafter | None
 
     def prefill(self, prompt: list[int]) -> None:
         """Start a new sequence with this prompt."""
@@ -96,4 +99,28 @@ class FeatureProposer(Proposer, Protocol):
         of them, of which it keeps those), the pending token and the accepted
         path after each verify. Invariant: the proposer has been fed every token of the
         sequence but the last (the prompt's only if `prompt_features`)."""
+        ...
+
+
+@dataclass
+class DraftRequest:
+    """What one member of a batch asks of a shared drafter's round."""
+
+    proposer: Proposer
+    tokens: list[int]  # the sequence so far (prompt + emitted + pending)
+    k: int
+    sampling: SamplingConfig
+    generator: torch.Generator
+
+
+class BatchDrafter(Protocol):
+    """Drafts for several sequences at once (their proposers name it as their `group`)."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """One Draft per request, in order; request i's tokens sampled from its own q with its
+        own generator."""
+        ...
+
+    def release(self, proposer: Proposer) -> None:
+        """Forget the proposer's sequence and free what it held."""
         ...

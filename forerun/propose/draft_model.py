@@ -18,6 +18,7 @@ from forerun.sampling import logits_to_probs, sample
 
 class DraftModelProposer:
     name = "draft"
+    group = None  # drafts alone, through propose
 
     def __init__(self, runtime: Runtime, target_vocab_size: int):
         self.runtime, self.vocab_size = runtime, target_vocab_size

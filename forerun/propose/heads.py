@@ -110,6 +110,7 @@ class HeadProposer:
     # a llama.cpp one; w8a8 ~5% of llama.cpp's on an AVX2-only CPU) is measured as it drafts
     # (head_seconds) and priced by the automatic budget
     runtime = None
+    group = None  # drafts alone, through propose
     static: StaticHeadSteps | None = None  # EAGLE: its steps in static shapes (CUDA graphs)
     # EAGLE with static steps: grow the draft tree on the device (static.tree); False grows it
     # level by level through the host (scripts/gpu_check.py compares the two)

@@ -146,6 +146,7 @@ class NgramProposer:
     max_n: int = 4
     name: str = "ngram"
     runtime: ClassVar[None] = None  # no model: drafting costs no forward passes
+    group: ClassVar[None] = None  # drafts alone
 
     def __post_init__(self):
         self._index = SuffixIndex(self.min_n, self.max_n)

@@ -1,0 +1,93 @@
+"""Draft-model speculation for a batch: one draft model, one pass per draft position for every
+member that drafts, instead of one pass per member and position.
+
+Owns: `SharedDraftModel`, the draft model over a cache pool of its own, and `PooledDraft`, the
+per-sequence Proposer whose drafting it batches. The invariant is `DraftModelProposer`'s,
+per member: its draft region holds the first `length` tokens of its sequence; a draft round
+first feeds each member what is missing (its prompt but the last token after admission, the
+pending token and any accepted tokens after a verify), then one token per member per pass;
+`commit` truncates the region to the tokens verification kept. Members drafting fewer tokens
+leave the rounds early. Each member samples from its own q with its own generator, so a
+member's drafts do not depend on the others' (up to the draft model's rounding, which never
+changes the output: the target verifies every token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forerun.propose.base import Draft, DraftRequest
+from forerun.runtime.batch import BatchTorchRuntime, PackedBatch
+from forerun.sampling import logits_to_probs, sample
+
+
+class SharedDraftModel:
+    """The draft model for every member of a batch (its own pool, same slots as the target's)."""
+
+    def __init__(self, runtime: BatchTorchRuntime, target_vocab_size: int):
+        self.runtime, self.vocab_size = runtime, target_vocab_size
+
+    def proposer(self, slots: int) -> PooledDraft:
+        """A member's proposer; its draft region holds `slots` tokens at most."""
+        return PooledDraft(self, slots)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """Every request's draft, drafting position by position over all of them at once."""
+        drafted: list[list[torch.Tensor]] = [[] for _ in requests]
+        q: list[list[torch.Tensor]] = [[] for _ in requests]
+        feeds = {i: torch.tensor(r.tokens[self.runtime.length(r.proposer.handle):])
+                 for i, r in enumerate(requests) if r.k > 0}  # [M_i >= 1]
+        for depth in range(max((r.k for r in requests), default=0)):
+            members = [i for i in feeds if requests[i].k > depth]
+            batch = PackedBatch.of([(requests[i].proposer.handle, feeds[i]) for i in members],
+                                   last_only=True)
+            logits = self._to_target_vocab(self.runtime.forward(batch).logits)  # [B, V]
+            best = logits.argmax(-1)  # [B]
+            for row, i in enumerate(members):
+                r = requests[i]
+                if r.sampling.greedy:  # its one-hot row's token; q = None says just that
+                    token = best[row]
+                else:
+                    probs = logits_to_probs(logits[row], r.sampling)  # [V]
+                    token = sample(probs, r.generator)
+                    q[i].append(probs)
+                drafted[i].append(token)
+                feeds[i] = token.view(1)
+        return [Draft(torch.stack(d), torch.stack(qs) if qs else None) if d else Draft.empty()
+                for d, qs in zip(drafted, q, strict=True)]  # [K_i], [K_i, V]
+
+    def release(self, proposer: PooledDraft) -> None:
+        if proposer.handle >= 0:
+            self.runtime.release(proposer.handle)
+            proposer.handle = -1
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Pad or cut the draft's logits [B, V_draft] to the target's vocabulary (same
+        tokenizer)."""
+        size = logits.shape[-1]
+        if size >= self.vocab_size:
+            return logits[:, : self.vocab_size]
+        pad = logits.new_full((logits.shape[0], self.vocab_size - size), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+
+class PooledDraft:
+    """One member's draft-model proposer; `group` batches its drafting with the others'."""
+
+    name = "draft"
+
+    def __init__(self, group: SharedDraftModel, slots: int):
+        self.group, self.slots, self.handle = group, slots, -1
+        self.runtime = group.runtime.single  # the drafter's one-sequence view (its cost curve)
+
+    def prefill(self, prompt: list[int]) -> None:
+        """Reserve the member's region; the prompt is fed at its first draft round."""
+        self.group.release(self)
+        self.handle = self.group.runtime.add(self.slots)
+
+    def propose(self, tokens, k, sampling, generator) -> Draft:
+        return self.group.propose([DraftRequest(self, tokens, k, sampling, generator)])[0]
+
+    def commit(self, num_final: int) -> None:
+        rt = self.group.runtime
+        rt.truncate(self.handle, min(rt.length(self.handle), num_final))
