@@ -1,6 +1,7 @@
 """The README's commands cannot rot: every `forerun ...` line of its bash blocks parses with the
 real parser (each subcommand, flag and choice exists), a few tour lines run on a tiny model,
-and the README stays a user's page: short, with no headings named after sessions or dates."""
+its links lead to files that exist, and the README stays a user's page: short, with no
+headings named after sessions or dates."""
 
 import json
 import os
@@ -82,6 +83,12 @@ def test_the_readme_is_for_users():
     headings = [line for line in text.splitlines() if line.startswith("#")]
     assert not [h for h in headings if DATED_HEADING.search(h)], "dated or session headings"
     assert "make run" in text and "make test" in text
+
+
+def test_the_readme_links_to_files_that_exist():
+    links = re.findall(r"\]\(([^)#\s]+)", README.read_text())
+    missing = [link for link in links if "://" not in link and not (README.parent / link).exists()]
+    assert links and not missing
 
 
 def tour(first_word: str, *words: str) -> list[str]:
