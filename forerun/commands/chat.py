@@ -79,7 +79,7 @@ def run(args) -> int:
                          "`forerun generate --raw` sends text as is")
     check_method(chat.engine, chat.spec)
     chat.reset()
-    err.print(f"[dim]{escape(args.target)}, {escape(describe(chat.spec))}. /help lists the "
+    note(f"[dim]{escape(args.target)}, {escape(describe(chat.spec))}. /help lists the "
               "commands; /exit or Ctrl-D quits.")
     while True:
         try:
@@ -89,7 +89,7 @@ def run(args) -> int:
             return 0
         except KeyboardInterrupt:
             print()
-            err.print("[dim](Ctrl-C stops a reply; /exit or Ctrl-D quits)")
+            note("[dim](Ctrl-C stops a reply; /exit or Ctrl-D quits)")
             continue
         if line.startswith("/"):
             if not chat.command(line):
@@ -119,28 +119,26 @@ class Chat:
         if name == "/exit":
             return False
         if name == "/help":
-            err.print(HELP.format(methods=", ".join(["none", *PROPOSERS])), markup=False,
-                      highlight=False)
+            note(HELP.format(methods=", ".join(["none", *PROPOSERS])), markup=False)
         elif name == "/stats":
             self.show_stats = not self.show_stats
-            err.print(f"[dim]stats after each reply: {'on' if self.show_stats else 'off'}")
+            note(f"[dim]stats after each reply: {'on' if self.show_stats else 'off'}")
         elif name == "/reset":
             self.reset()
-            err.print("[dim]conversation cleared")
+            note("[dim]conversation cleared")
         elif name == "/method":
             self.switch(words)
         else:
-            err.print(f"unknown command {escape(name)}; /help lists them", highlight=False)
+            note(f"unknown command {escape(name)}; /help lists them")
         return True
 
     def switch(self, words: list[str]) -> None:
         """/method NAME [K]: the drafting of the next replies; a bad one changes nothing."""
         if not words:
-            err.print(f"[dim]{escape(describe(self.spec))}")
+            note(f"[dim]{escape(describe(self.spec))}")
             return
         if len(words) > 2 or (len(words) == 2 and not words[1].isdigit()):
-            err.print("usage: /method NAME [K], K a whole number of draft tokens per step",
-                      highlight=False)
+            note("usage: /method NAME [K], K a whole number of draft tokens per step")
             return
         name, k = words[0], int(words[1]) if len(words) == 2 else self.spec.k
         try:
@@ -150,10 +148,10 @@ class Chat:
                 self.load_draft(spec)
             check_method(self.engine, spec)
         except (ValueError, ModelError) as e:
-            err.print(f"[bold red]error:[/] {escape(str(e))}; still {escape(describe(self.spec))}")
+            note(f"[bold red]error:[/] {escape(str(e))}; still {escape(describe(self.spec))}")
             return
         self.spec = spec
-        err.print(f"[dim]{escape(describe(spec))} from the next reply on")
+        note(f"[dim]{escape(describe(spec))} from the next reply on")
 
     def load_draft(self, spec: SpecConfig) -> None:
         """Load --draft now: the chat began with a method that needed none."""
@@ -187,11 +185,11 @@ class Chat:
         except (ValueError, ModelError, jinja2.TemplateError) as e:  # ContextError among them
             self.messages.pop()
             hint = "; /reset starts a new conversation" if isinstance(e, ContextError) else ""
-            err.print(f"[bold red]error:[/] {escape(str(e))}{hint}", highlight=False)
+            note(f"[bold red]error:[/] {escape(str(e))}{hint}")
             return
         print()
         if result is None:
-            err.print("[dim](reply stopped)")
+            note("[dim](reply stopped)")
             if shown:
                 self.messages.append({"role": "assistant", "content": "".join(shown)})
             else:
@@ -199,9 +197,9 @@ class Chat:
             return
         self.messages.append({"role": "assistant", "content": result.text})
         if self.show_stats:
-            err.print(stats_line(result.stats), style="dim", markup=False, highlight=False)
+            note(stats_line(result.stats), style="dim", markup=False)
         if self.context_full(result):
-            err.print(f"[dim]the context ({self.engine.target.capacity} tokens) is full: "
+            note(f"[dim]the context ({self.engine.target.capacity} tokens) is full: "
                       "/reset starts a new conversation, or raise --context")
 
     def context_full(self, result: Completion) -> bool:
@@ -234,6 +232,11 @@ def ctrl_c_stops_reply() -> Iterator[Pressed]:
         yield pressed
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def note(text: str, **kwargs) -> None:
+    """A line on stderr, long lines left to the terminal to wrap (rich would break them)."""
+    err.print(text, soft_wrap=True, highlight=False, **kwargs)
 
 
 def check_method(engine: Engine, spec: SpecConfig) -> None:
