@@ -1,7 +1,10 @@
 """The `forerun serve` command: its flags, loading the engine once, and running uvicorn.
 
-Owns: the server's options (their defaults are named in `forerun.serve.limits`). The web stack
-(FastAPI, uvicorn) is imported only when the command runs, so other commands start without it.
+Owns: the server's options (their defaults are named in `forerun.serve.limits`), the Host
+allow-list it derives from the address, and the start-up: load, record CUDA graphs, calibrate
+the forward-time curves (unless --no-calibrate), serve. The web stack (FastAPI, uvicorn) is
+imported only when the command runs, so other commands start without it. Exits 1 when the worker
+gives up (repeated crashes), so that a supervisor restarts the process.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from forerun.serve.limits import (
     DEFAULT_QUEUE,
     DEFAULT_SLOTS,
     MAX_BODY_BYTES,
+    MAX_RESTARTS,
     MAX_TOKENS_LIMIT,
 )
 
 API_KEY_ENV = "FORERUN_API_KEY"
 SHUTDOWN_GRACE_S = 10  # on Ctrl-C / SIGTERM, open streams get this long to finish
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")  # as they appear in a Host header
+DEFAULT_HTTP_PORT = 80  # a Host header may leave it out
 
 
 def add_parser(sub) -> None:
@@ -41,7 +47,19 @@ def add_parser(sub) -> None:
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help="port")
     s.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/ (or set {API_KEY_ENV}); "
-                        "unset = no key")
+                        "unset = no key. Visible in `ps`: prefer --api-key-file")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (its first line)")
+    s.add_argument("--metrics-auth", action="store_true",
+                   help="/metrics needs the API key too")
+    s.add_argument("--allowed-host", action="append", default=[], metavar="HOST[:PORT]",
+                   help="a Host header value to accept, exactly as clients send it, besides "
+                        "localhost/127.0.0.1/[::1] at --port (repeatable); others get 421. On a "
+                        "non-loopback address without it, any Host is accepted")
+    s.add_argument("--no-calibrate", action="store_true",
+                   help="skip measuring the forward-time curves at start-up; a request with "
+                        "policy cost (or a server with --tree auto) then measures them in its "
+                        "first step, while the other slots wait")
     s.add_argument("--served-model-name", default=None,
                    help="the model id clients send; unset = the --target name")
     g = s.add_argument_group("limits")
@@ -85,26 +103,64 @@ def run(args) -> int:
         if value is not None and value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     err = Console(stderr=True)
+    api_key = read_api_key(args)
     engine = load_engine(args, err)
     with err.status("starting the worker"):
         worker = Worker(engine, slots=args.max_concurrent, max_queue=args.max_queue,
-                        shedding=LoadShedding(args.spec_reduce_above, args.spec_off_above))
+                        shedding=LoadShedding(args.spec_reduce_above, args.spec_off_above),
+                        on_fatal=lambda: setattr(server, "should_exit", True))
     with err.status("recording the decode passes (CUDA graphs)"):
         started = time.perf_counter()
         recorded = worker.warm_up()
     if recorded:
         err.print(f"recorded {recorded} decode pass sizes in {time.perf_counter() - started:.1f} s",
                   highlight=False)
+    if not args.no_calibrate:
+        with err.status("measuring forward times (for --policy cost and --tree auto)"):
+            started = time.perf_counter()
+            worker.calibrate()
+        err.print(f"forward times measured in {time.perf_counter() - started:.1f} s (llama.cpp: "
+                  "kept on disk, a restart reads them)", highlight=False)
     name = args.served_model_name or (Path(args.target).name if Path(args.target).exists()
                                       else args.target)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     config = ServeConfig(name, api_key, args.max_body_bytes, args.max_tokens_limit,
-                         args.max_tokens)
+                         args.max_tokens, allowed_hosts(args.host, args.port, args.allowed_host),
+                         args.metrics_auth)
     if args.host not in LOOPBACK and not api_key:
         err.print(f"[yellow]warning:[/] serving on {args.host} without --api-key: anyone who "
                   "can reach this port can use the model")
     err.print(f"serving {name!r} ({args.method}, k={args.k}, {args.max_concurrent} slots) on "
               f"http://{args.host}:{args.port}/v1", highlight=False)
-    uvicorn.run(create_app(worker, config), host=args.host, port=args.port,
-                log_level=args.log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(worker, config), host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    server.run()
+    if worker.restarts > MAX_RESTARTS:
+        err.print(f"[red]the worker crashed {worker.restarts} times; exiting[/]")
+        return 1
     return 0
+
+
+def read_api_key(args) -> str | None:
+    """--api-key-file, else --api-key, else $FORERUN_API_KEY; None = no key."""
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {e}") from e
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--api-key-file: {args.api_key_file} is empty")
+        return lines[0].strip()
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def allowed_hosts(host: str, port: int, extra: list[str]) -> frozenset[str] | None:
+    """The Host values the server answers: on loopback (or with --allowed-host), the loopback
+    names at the port and the --allowed-host values as given; elsewhere, without
+    --allowed-host, any (None)."""
+    if host not in LOOPBACK and not extra:
+        return None
+    names = {f"{h}:{port}" for h in LOOPBACK_HOSTS}
+    if port == DEFAULT_HTTP_PORT:
+        names |= set(LOOPBACK_HOSTS)
+    return frozenset(names | {h.lower() for h in extra})

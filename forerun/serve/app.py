@@ -1,8 +1,10 @@
 """The HTTP side of `forerun serve`: FastAPI routes that validate, enqueue and stream.
 
 Owns: the routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/metrics`,
-`/health`), the request gate (API key, body size, request counting), turning a request into
+`/health`), the request gate (Host allow-list, API key, body size, request counting), turning a
+request into
 worker jobs, server-sent events, and turning every refusal into a 4xx with an OpenAI-style body.
+An unexpected exception reaches a client as a short message; its traceback goes to the log.
 Never touches a model: tokenizing is the only model-related work done here (the tokenizer is
 thread-safe); generation happens on the worker thread (`forerun.serve.worker`).
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -49,8 +52,19 @@ from forerun.serve.protocol import (
     unsupported,
     usage,
 )
-from forerun.serve.worker import Busy, Delta, Done, Event, Failed, Job, Stopped, Worker
+from forerun.serve.worker import (
+    Busy,
+    Delta,
+    Done,
+    Event,
+    Failed,
+    Job,
+    Stopped,
+    Worker,
+    short_error,
+)
 
+log = logging.getLogger("forerun.serve")
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default when a request gives none
 PATHS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
@@ -62,6 +76,11 @@ class ServeConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     max_tokens_limit: int = MAX_TOKENS_LIMIT
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a request gives no max_tokens
+    # the Host header values accepted (lower case, with the port as clients send it); None =
+    # any. A server on loopback without a key is reachable from a browser's page through DNS
+    # rebinding (evil.example resolving to 127.0.0.1) unless it refuses foreign Host values.
+    allowed_hosts: frozenset[str] | None = None
+    metrics_auth: bool = False  # /metrics needs the API key too (when one is set)
 
 
 def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
@@ -81,7 +100,8 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
     app.state.max_body_bytes = config.max_body_bytes
     app.add_middleware(Gate, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        count=lambda path, status: worker.metrics.requests.labels(
-                           path, status).inc())
+                           path, status).inc(),
+                       allowed_hosts=config.allowed_hosts, metrics_auth=config.metrics_auth)
     install_error_handlers(app)
 
     @app.get("/health")
@@ -89,7 +109,8 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
         running, waiting = worker.in_flight
         ok = worker.alive
         return JSONResponse({"status": "ok" if ok else "worker stopped", "running": running,
-                             "waiting": waiting, "speculation_mode": worker.mode},
+                             "waiting": waiting, "speculation_mode": worker.mode,
+                             "worker_restarts": worker.restarts},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -316,15 +337,19 @@ class EventStream(StreamingResponse):
 # --- the gate and the error bodies ---------------------------------------------------------------
 
 class Gate:
-    """Pure ASGI middleware in front of every route: checks the API key on /v1/ paths and the
-    body size (Content-Length at once, a chunked body as it arrives), and counts every answered
-    request by path (unknown paths as "other", so fuzzing cannot grow the label set) and status.
+    """Pure ASGI middleware in front of every route: checks the Host header against the
+    allow-list (421 otherwise), the API key on /v1/ paths (and /metrics with `metrics_auth`) and
+    the body size (Content-Length at once, a chunked body as it arrives), and counts every
+    answered request by path (unknown paths as "other", so fuzzing cannot grow the label set)
+    and status.
     """
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
-                 count: Callable[[str, str], None]):
+                 count: Callable[[str, str], None], allowed_hosts: frozenset[str] | None = None,
+                 metrics_auth: bool = False):
         self.app, self.api_key, self.max_body_bytes, self.count = (
             app, api_key, max_body_bytes, count)
+        self.allowed_hosts, self.metrics_auth = allowed_hosts, metrics_auth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -350,7 +375,13 @@ class Gate:
     def refusal(self, scope: Scope) -> APIError | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope["headers"]}
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
+        host = headers.get("host", "").lower()
+        if self.allowed_hosts is not None and host not in self.allowed_hosts:
+            return APIError(421, f"this server does not answer for the host {host[:100]!r} "
+                            "(start it with --allowed-host to add one)", code="host_not_allowed")
+        path = scope["path"]
+        keyed = path.startswith("/v1/") or (self.metrics_auth and path == "/metrics")
+        if self.api_key is not None and keyed:
             given = headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return APIError(401, "missing or wrong API key (Authorization: Bearer KEY)",
@@ -415,4 +446,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, e: Exception) -> JSONResponse:
-        return api_error_response(APIError(500, f"internal error: {type(e).__name__}"))
+        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        return api_error_response(APIError(500, f"internal error ({short_error(e)})"))

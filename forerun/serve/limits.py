@@ -15,3 +15,5 @@ MAX_SEED = 2**63 - 1
 # How often a non-streaming request checks that its client is still there; uvicorn notices a
 # closed connection only after the first check resumes reading it, so leaving takes two checks.
 DISCONNECT_POLL_S = 0.25
+MAX_ERROR_CHARS = 200  # an exception's message as a client sees it (the log has the traceback)
+MAX_RESTARTS = 10  # crashes of the worker loop recovered from before the server gives up

@@ -17,6 +17,15 @@ every step, so a long generation follows the load as it changes.
 
 Cancellation. `cancel` drops a waiting job at once; a running job is dropped before its next
 step, which frees its slot for the next waiting job.
+
+Failures. A job whose generation raises fails alone (`Failed`, a short message; the traceback
+goes to the log). A crash of the scheduling itself (a bug) fails the jobs running at that
+moment, frees their slots and restarts the loop; after MAX_RESTARTS such crashes the worker
+stops for good and calls `on_fatal` (the serve command then exits non-zero, for a supervisor).
+
+Calibration. The cost policy and an automatic tree budget price drafts with forward-time curves
+measured at a runtime's first use (`forerun.profile`); `calibrate` measures them before serving,
+so that no request's first step stalls every slot while one runtime is timed.
 """
 
 from __future__ import annotations
@@ -31,11 +40,23 @@ from dataclasses import dataclass, field
 
 from forerun.api import Chunk, Engine
 from forerun.metrics import GenerationStats, Step
+from forerun.profile import calibrated_curve, share_curve
 from forerun.propose import SpecConfig
+from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX
 from forerun.sampling import SamplingConfig
+from forerun.serve.limits import MAX_ERROR_CHARS, MAX_K, MAX_RESTARTS
 from forerun.serve.metrics import ServerMetrics
 
 log = logging.getLogger("forerun.serve")
+CRASHED = "the server hit an internal error and dropped this request (see its log); retry"
+
+
+def short_error(e: BaseException) -> str:
+    """What a client is told of an exception: its type and first line, cut short."""
+    first = (str(e).splitlines() or [""])[0]
+    if len(first) > MAX_ERROR_CHARS:
+        first = first[:MAX_ERROR_CHARS] + "..."
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 @dataclass(frozen=True)
@@ -147,7 +168,8 @@ class Stopped(Exception):
 
 class Worker:
     def __init__(self, engine: Engine, *, slots: int, max_queue: int,
-                 shedding: LoadShedding | None = None, metrics: ServerMetrics | None = None):
+                 shedding: LoadShedding | None = None, metrics: ServerMetrics | None = None,
+                 on_fatal: Callable[[], None] | None = None):
         if slots < 1 or max_queue < 0:
             raise ValueError(f"need slots >= 1 and max_queue >= 0, got {slots} and {max_queue}")
         self.engine, self.slots, self.max_queue = engine, slots, max_queue
@@ -158,6 +180,8 @@ class Worker:
         self._running: list[Running] = []
         self._cond = threading.Condition()
         self._stopping = False
+        self.restarts = 0  # crashes of the loop recovered from
+        self.on_fatal = on_fatal  # called from the worker thread when it stops for good
         self.mode = "full"
         self.metrics.slots.set(slots)
         self.metrics.set_mode(self.mode)
@@ -169,6 +193,20 @@ class Worker:
         """Every slot's engine records its static passes before the first request (on a GPU:
         CUDA graphs, each slot its own); call before start(). -> sizes recorded."""
         return sum(engine.warm_up() for engine in self._free)
+
+    def calibrate(self) -> None:
+        """Measure (or read from the disk cache) the forward-time curves a cost policy or an
+        automatic tree reads, for one slot, up to the longest verify a request may ask for; the
+        other slots share them (same weights, same speed). Call before start()."""
+        first = self._free[0]
+        tree = AUTO_TREE_MAX if first.spec.tree == AUTO_TREE else 0
+        calibrated_curve(first.target, max(MAX_K, tree) + 1)
+        if first.draft is not None:
+            calibrated_curve(first.draft, 1)
+        for engine in self._free[1:]:
+            share_curve(engine.target, first.target)
+            if engine.draft is not None:
+                share_curve(engine.draft, first.draft)
 
     def start(self) -> None:
         self._thread.start()
@@ -217,17 +255,19 @@ class Worker:
     def _loop(self) -> None:
         try:
             while True:
-                with self._cond:
-                    while not (self._stopping or self._waiting or self._running):
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                    self._admit()
-                    round_ = list(self._running)
-                for run in round_:
-                    self._step(run)
+                try:
+                    return self._serve()
+                except Exception:
+                    log.exception("the worker crashed; failing its running jobs")
+                    self.restarts += 1
+                    self._drop_running()
+                    if self.restarts > MAX_RESTARTS:
+                        log.error("the worker crashed %d times; it stops", self.restarts)
+                        if self.on_fatal is not None:
+                            self.on_fatal()
+                        return
         except BaseException:
-            log.exception("the worker stopped")  # a bug: /health says so, requests fail fast
+            log.exception("the worker stopped")  # /health says so, requests fail fast
             raise
         finally:
             with self._cond:  # tell whoever still listens; refuse new jobs from now on
@@ -235,6 +275,33 @@ class Worker:
                 left = [run.job for run in self._running] + list(self._waiting)
             for job in left:
                 self._emit(job, Failed(job.index, "the server is shutting down"))
+
+    def _serve(self) -> None:
+        """Admit and step jobs, round after round, until stopped."""
+        while True:
+            with self._cond:
+                while not (self._stopping or self._waiting or self._running):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                self._admit()
+                round_ = list(self._running)
+            for run in round_:
+                self._step(run)
+
+    def _drop_running(self) -> None:
+        """After a crash: fail every running job and take its slot back; waiting jobs stay."""
+        with self._cond:
+            runs, self._running = self._running, []
+            self._free.extend(run.engine for run in runs)
+            self._publish_load()
+        for run in runs:
+            try:
+                run.chunks.close()
+            except Exception:
+                log.exception("closing a crashed generation")
+            self.metrics.finished.labels("error").inc()
+            self._emit(run.job, Failed(run.job.index, CRASHED))
 
     def _admit(self) -> None:
         """Move waiting jobs into free slots (holding the lock)."""
@@ -267,7 +334,8 @@ class Worker:
             return self._finish(run, "error", Failed(job.index, "generation ended early"))
         except Exception as e:  # a bug or a runtime failure: fail this job, keep serving
             log.exception("generation failed")
-            return self._finish(run, "error", Failed(job.index, f"generation failed: {e}"))
+            return self._finish(run, "error", Failed(job.index,
+                                                     f"generation failed ({short_error(e)})"))
         step = chunk.step
         run.steps.append(step)
         run.tally.add(step)
@@ -307,4 +375,7 @@ class Worker:
         try:
             job.emit(event)
         except RuntimeError:  # the event loop is gone (shutdown): nobody listens any more
+            job.cancelled.set()
+        except Exception:  # a broken listener loses its job, not the worker
+            log.exception("a job's listener failed")
             job.cancelled.set()
