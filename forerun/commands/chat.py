@@ -200,7 +200,7 @@ class Chat:
             note(stats_line(result.stats), style="dim", markup=False)
         if self.context_full(result):
             note(f"[dim]the context ({self.engine.target.capacity} tokens) is full: "
-                      "/reset starts a new conversation, or raise --context")
+                 "/reset starts a new conversation, or raise --context")
 
     def context_full(self, result: Completion) -> bool:
         used = result.prompt_tokens + len(result.token_ids)
