@@ -62,7 +62,7 @@ def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path |
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     step = 0
     if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, weights_only=True)  # tensors and numbers: no pickled code
         heads.load_state_dict(state["heads"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
