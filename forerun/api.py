@@ -14,20 +14,27 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from forerun.batch_engine import Sequence, run_to_completion
 from forerun.engine import speculative_decode
-from forerun.heads import PRECISIONS, Heads, load_heads, w8a8_available
+from forerun.heads import KINDS, PRECISIONS, Heads, load_heads, w8a8_available
 from forerun.metrics import GenerationStats, Step
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
 from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model, resolve_dtype, target_io
 from forerun.models.tokenizer import IncrementalDecoder, TextTokenizer
 from forerun.policy import POLICIES, LengthPolicy
 from forerun.propose import PROPOSERS, SpecConfig
+from forerun.propose.draft_batch import SharedDraftModel
 from forerun.reference import plain_decode
 from forerun.runtime.base import Runtime
+from forerun.runtime.batch import BatchTorchRuntime
+from forerun.runtime.torch_model import TorchRuntime
 from forerun.sampling import SamplingConfig, make_generator
 from forerun.stopping import StopStrings
 
 DEFAULT_MAX_TOKENS = 256
+# KV memory of a batch (per model), reserved per sequence for its prompt + max_tokens
+DEFAULT_KV_BUDGET_BYTES = 2 << 30
+MAX_BATCH_K = 16  # the adaptive policy's longest draft (AdaptiveK.k_max): its cache slack
 
 
 @dataclass(frozen=True)
@@ -173,6 +180,7 @@ class Engine:
     def _attach(self, target, tokenizer, draft, spec, heads=None) -> None:
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
         self.heads = heads
+        self._batches: dict[tuple[str, int], BatchTorchRuntime] = {}  # (role, budget) -> view
 
     def warm_up(self) -> int:
         """Record the target's and the draft model's static passes (CUDA graphs on a GPU) of
@@ -249,6 +257,77 @@ class Engine:
                                              start, steps),
             prompt_tokens=len(ids))
 
+
+    def generate_batch(self, prompts: list[str | list[int] | list[dict]], *,
+                       sampling: SamplingConfig | list[SamplingConfig] | None = None,
+                       max_tokens: int | list[int] = DEFAULT_MAX_TOKENS,
+                       stop: tuple[str, ...] = (), raw: bool = False,
+                       spec: SpecConfig | None = None, max_batch: int | None = None,
+                       kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES) -> list[Completion]:
+        """Decode many prompts together: every step is one target pass over all the live ones
+        (`forerun.batch_engine`), each sequence still getting exactly its own output. A prompt
+        is text (chat-templated unless `raw`), token ids, or a chat's messages. `sampling` and
+        `max_tokens` may be one per prompt. Sequences wait for KV memory (`kv_budget_bytes`,
+        reserved per sequence for its prompt + max_tokens) and for `max_batch`. -> one
+        Completion per prompt, in order."""
+        spec, n = spec or self.spec, len(prompts)
+        samplings = sampling if isinstance(sampling, list) else [sampling or SamplingConfig()] * n
+        budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * n
+        if len(samplings) != n or len(budgets) != n:
+            raise ValueError("give one sampling config and one max_tokens per prompt, or one")
+        if any(b < 1 for b in budgets):
+            raise ValueError(f"max_tokens must be >= 1, got {min(budgets)}")
+        target = self._batch_runtime("target", self.target, kv_budget_bytes)
+        shared = None
+        if spec.method == "draft":
+            if self.draft is None:
+                raise ValueError("method 'draft' needs a draft model (--draft)")
+            shared = SharedDraftModel(self._batch_runtime("draft", self.draft, kv_budget_bytes),
+                                      self.target.config.vocab_size)
+        elif spec.method in KINDS:
+            raise ModelError(f"batched decoding does not feed heads the target's features yet; "
+                             f"decode {spec.method} one prompt at a time (generate)")
+        seqs = []
+        for prompt, s, budget in zip(prompts, samplings, budgets, strict=True):
+            ids = (self.tokenizer.encode_chat(prompt) if prompt and isinstance(prompt[0], dict)
+                   else self.encode(prompt, raw))
+            seq = Sequence(ids, s, budget, make_generator(s.seed), self.tokenizer.stop_ids)
+            if spec.method != "none":
+                seq.max_k = MAX_BATCH_K if spec.policy == "adaptive" else spec.k
+                seq.proposer = (shared.proposer(len(ids) + budget + seq.max_k + 1) if shared
+                                else PROPOSERS[spec.method](spec, self.target, None, self.heads))
+                seq.policy = POLICIES[spec.policy](spec, self.target, seq.proposer.runtime)
+            seqs.append(seq)
+        texts = {id(q): ([], IncrementalDecoder(self.tokenizer), StopStrings(stop)) for q in seqs}
+
+        def on_step(seq: Sequence, step: Step) -> bool:  # text, and stop strings, as stream()
+            parts, decoder, stops = texts[id(seq)]
+            new = decoder.push(step.tokens, final=step.finish_reason is not None)
+            hit = stops.feed(new)
+            parts.append(new)
+            if hit is not None:
+                text = "".join(parts)
+                parts[:] = [text[:hit]]
+            return hit is not None
+
+        start = time.perf_counter()
+        run_to_completion(target, seqs, max_batch, on_step)
+        k = spec.k if spec.method != "none" else 0
+        return [Completion("".join(texts[id(q)][0]), [t for st in q.steps for t in st.tokens],
+                           q.finish or "length",
+                           GenerationStats.from_steps(spec.method, k, start, q.steps),
+                           prompt_tokens=len(q.prompt)) for q in seqs]
+
+    def _batch_runtime(self, role: str, runtime: Runtime, budget: int) -> BatchTorchRuntime:
+        """The batched view of the target or the draft (kept: its pool is reused)."""
+        if not isinstance(runtime, TorchRuntime):
+            raise ModelError("batched decoding runs on the torch runtime so far; use --runtime "
+                             "torch")
+        key = (role, budget)
+        if key not in self._batches:
+            self._batches = {key: BatchTorchRuntime(runtime, budget)} | {
+                other: rt for other, rt in self._batches.items() if other[0] != role}
+        return self._batches[key]
 
 def _find_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:
     """Where the earliest stop string begins in `text`, searching only unsent text."""

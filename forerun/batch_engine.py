@@ -24,7 +24,7 @@ where the time goes, is shared. Knows nothing of text.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -32,7 +32,7 @@ import torch
 from forerun.metrics import Step
 from forerun.policy import LengthPolicy
 from forerun.propose.base import BatchDrafter, Draft, DraftRequest, Proposer
-from forerun.runtime.batch import BatchTorchRuntime, PackedBatch
+from forerun.runtime.batch import BatchTorchRuntime, PackedBatch, PoolFull
 from forerun.sampling import SamplingConfig, logits_to_probs, next_token
 from forerun.stopping import check_prompt, cut
 from forerun.tree import TokenTree
@@ -76,7 +76,11 @@ def admit(runtime: BatchTorchRuntime, seq: Sequence) -> None:
     check_prompt(seq.prompt, runtime.capacity)
     seq.handle = runtime.add(min(seq.slots(), runtime.capacity))
     if seq.proposer is not None:
-        seq.proposer.prefill(seq.prompt)
+        try:
+            seq.proposer.prefill(seq.prompt)  # a shared drafter reserves its region here
+        except PoolFull:
+            retire(runtime, seq)
+            raise
 
 
 def retire(runtime: BatchTorchRuntime, seq: Sequence) -> None:
@@ -193,20 +197,24 @@ def _emit(runtime: BatchTorchRuntime, s: Sequence, tokens: list[int], drafted: i
 
 
 def run_to_completion(runtime: BatchTorchRuntime, seqs: list[Sequence],
-                      max_batch: int | None = None) -> None:
+                      max_batch: int | None = None,
+                      on_step: Callable[[Sequence, Step], bool] | None = None) -> None:
     """Decode every sequence: admit while the pool and `max_batch` allow, step the live ones
-    together, retire the finished (their regions go to the waiting)."""
+    together, retire the finished (their regions go to the waiting). `on_step(seq, step)`
+    sees every step; True ends that sequence there (a stop string: finish "stop")."""
     waiting, live = list(seqs), []
     while waiting or live:
         while waiting and (max_batch is None or len(live) < max_batch):
             try:
                 admit(runtime, waiting[0])
-            except RuntimeError:  # PoolFull: wait for a member to finish
+            except PoolFull:  # wait for a member to finish
                 if not live:
                     raise
                 break
             live.append(waiting.pop(0))
-        step(runtime, live)
+        for s, result in zip(live, step(runtime, live), strict=True):
+            if on_step is not None and on_step(s, result) and not s.finish:
+                s.finish = "stop"
         for s in [s for s in live if s.finish]:
             retire(runtime, s)
             live.remove(s)

@@ -169,3 +169,43 @@ def test_a_shared_draft_equal_to_the_target_accepts_everything_and_reproduces_se
     alone = _pooled(_shared_draft(noise=0.0), 4, PROMPTS[2], 21, hot, seed=9)
     run_to_completion(_batch_runtime(), [alone])
     assert _tokens(alone) == _tokens(seqs[1])
+
+
+def _engine(method="draft", k=4, policy="fixed"):
+    from test_engine import word_tokenizer
+
+    from forerun import Engine
+
+    target = TorchRuntime(tiny_model(0), capacity=256)
+    draft = TorchRuntime(tiny_model(0, noise=0.05), capacity=256)
+    return Engine.from_runtimes(target, word_tokenizer(), draft, SpecConfig(method, k, policy))
+
+
+@pytest.mark.parametrize(("method", "policy"), [("none", "fixed"), ("draft", "fixed"),
+                                                ("ngram", "fixed"), ("draft", "adaptive")])
+def test_generate_batch_equals_generate_one_at_a_time(method, policy):
+    engine = _engine(method, policy=policy)
+    budgets = [30, 12, 25, 40]
+    got = engine.generate_batch(PROMPTS[:4], max_tokens=budgets, max_batch=3)
+    for prompt, budget, out in zip(PROMPTS[:4], budgets, got, strict=True):
+        alone = engine.generate(prompt, max_tokens=budget)
+        assert out.token_ids == alone.token_ids == _solo(prompt, budget)
+        assert out.text == alone.text and out.finish_reason == alone.finish_reason
+        assert out.prompt_tokens == len(prompt)
+        if method != "none":
+            assert out.stats.drafted > 0
+
+
+def test_generate_batch_cuts_at_stop_strings_and_checks_its_arguments():
+    engine = _engine("ngram")
+    full = engine.generate(PROMPTS[1], max_tokens=30).text
+    words = full.split(" ")
+    stop = f"{words[8]} {words[9][:1]}"  # spans two tokens, ends mid-token
+    alone = engine.generate(PROMPTS[1], max_tokens=30, stop=(stop,))
+    out = engine.generate_batch([PROMPTS[1], PROMPTS[0]], max_tokens=30, stop=(stop,))
+    assert out[0].text == alone.text == full[: full.index(stop)]
+    assert out[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="per prompt, or one"):
+        engine.generate_batch(PROMPTS[:2], max_tokens=[3])
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        engine.generate_batch(PROMPTS[:1], max_tokens=0)
