@@ -24,7 +24,7 @@ from forerun.propose.base import Proposer
 from forerun.reference import prefill
 from forerun.runtime.base import Runtime
 from forerun.sampling import SamplingConfig, logits_to_probs
-from forerun.stopping import cut
+from forerun.stopping import check_prompt, cut
 from forerun.tree import TokenTree
 from forerun.verify import greedy_accept, recursive_rejection_sample, rejection_sample
 
@@ -34,6 +34,7 @@ def speculative_decode(target: Runtime, proposer: Proposer, policy: LengthPolicy
                        stop_ids: Collection[int], generator: torch.Generator) -> Iterator[Step]:
     layers = getattr(proposer, "hidden_layers", ())  # target features a head drafts from
     # 1. Prefill: target and proposer see the prompt; the target samples the first token.
+    check_prompt(prompt, target.capacity)  # the target's context message, before the drafter's
     proposer.prefill(prompt)
     wanted = layers if getattr(proposer, "prompt_features", True) else ()
     # the prompt rows whose features it reads (an EAGLE window; Medusa's last row)

@@ -98,9 +98,11 @@ def test_context_limit_ends_generation_identically():
     assert steps[-1].finish_reason == "length"
 
 
-def test_prompt_longer_than_context_fails_clearly():
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_prompt_longer_than_context_fails_clearly(method):
+    """The target's message, before a draft model's own cache could refuse the prompt."""
     with pytest.raises(ContextError, match="the prompt has 30 tokens"):
-        speculative("ngram", 3, prompt=list(range(30)), capacity=16)
+        speculative(method, 3, prompt=list(range(30)), capacity=16)
 
 
 def test_seeded_sampling_reproduces():
