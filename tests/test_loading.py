@@ -2,6 +2,9 @@
 tokenizer.json) and a GGUF file, both built here from the same random weights; a hub id
 offline; bad paths. The two loaders must give the same logits."""
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -10,6 +13,8 @@ from tiny_files import byte_tokens, random_hf_weights, write_gguf, write_hf_dir
 
 from forerun.models.catalog import ModelError
 from forerun.models.load import open_model
+
+SUBPROCESS_TIMEOUT_S = 120  # a fresh interpreter importing torch, on a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +47,20 @@ def test_chat_template_and_stop_tokens_from_hf_dir(sources):
     assert tok.encode_prompt("hi")[0] == tok.vocab["<|im_start|>"]
 
 
-def test_hub_id_offline_fails_clearly(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelError, match="Hugging Face hub"):
-        open_model("Qwen/Qwen2.5-Coder-1.5B-Instruct")
+def test_hub_id_offline_fails_clearly(tmp_path):
+    """huggingface_hub reads HF_HUB_OFFLINE when it is imported (an earlier test may already
+    have imported it in this process), so the offline case runs in a fresh interpreter with the
+    variable set before any import, and an empty cache: the error must be forerun's, naming
+    the hub, and its cause the offline mode (not a network failure)."""
+    code = ("from forerun.models.load import open_model\n"
+            "open_model('Qwen/Qwen2.5-Coder-1.5B-Instruct')\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("forerun.models.catalog.ModelError") and "Hugging Face hub" in last
+    assert "LocalEntryNotFoundError" in last and "outgoing traffic has been disabled" in last
 
 
 @pytest.mark.parametrize("source", ["./missing.gguf", "/no/such/dir", "not-a-model"])
