@@ -58,7 +58,7 @@ test: install
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check forerun tests scripts
+	$(VENV)/bin/ruff check forerun tests experiments
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache

@@ -104,7 +104,7 @@ def test_bench_writes_table_json_and_plot(pair, workload, tmp_path, capsys):
 
 def test_verify_curve(pair, tmp_path, capsys):
     out = tmp_path / "curve"
-    assert cli.main(["bench", "--verify-curve", "--target", str(pair[0]), "--draft",
+    assert cli.main(["bench", "curve", "--target", str(pair[0]), "--draft",
                      str(pair[1]), "--dtype", "float32", "--out", str(out)]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["target_ms_1"] > 0 and last["target_fwd5_over_fwd1"] > 0

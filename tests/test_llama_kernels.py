@@ -136,7 +136,7 @@ def test_q6k_kernel_matches_ggml_and_is_exact_across_row_counts():
     """-q6k: the interleaved q6_K kernel against ggml's generic one on random blocks and on the
     extremes of its integer sums (relative error < 1e-5; -x86-q6k-pairs adds two steps'
     products in 16 bits without VNNI) and 1-8 activation rows against one (to the bit);
-    scripts/q6k_kernel_check.py through ctypes, where the build has the kernel (x86, AVX2)."""
+    experiments/q6k_kernel_check.py through ctypes, where the build has the kernel (x86, AVX2)."""
     import ctypes
     from pathlib import Path
 
@@ -145,7 +145,7 @@ def test_q6k_kernel_matches_ggml_and_is_exact_across_row_counts():
     lib = library_dir() / "libggml-cpu.so.0"
     if not lib.exists() or not hasattr(ctypes.CDLL(str(lib)), "ggml_gemv_q6_K_8x4_q8_K_cols"):
         pytest.skip("this build has no -q6k kernel (not x86 with AVX2)")
-    script = Path(__file__).parents[1] / "scripts" / "q6k_kernel_check.py"
+    script = Path(__file__).parents[1] / "experiments" / "q6k_kernel_check.py"
     out = subprocess.run([sys.executable, str(script), str(lib), "--no-timing"], check=True,
                          capture_output=True, text=True, timeout=120).stdout
     error = float(out.split("max relative difference")[1].split()[0])

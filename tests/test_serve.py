@@ -547,7 +547,7 @@ def test_metrics_exposition(server):
 def test_load_script_runs_against_a_server(server, tmp_path):
     out = tmp_path / "load.json"
     r = subprocess.run(
-        [sys.executable, "scripts/serve_load.py", "--base-url", f"{server}/v1", "--api-key",
+        [sys.executable, "experiments/serve_load.py", "--base-url", f"{server}/v1", "--api-key",
          KEY, "--concurrency", "1,2", "--modes", "on,off,adaptive", "--method", "ngram",
          "--requests", "2", "--max-tokens", "6", "--prompt", PROMPTS[0], "--prompt", PROMPTS[3],
          "--json", str(out)],

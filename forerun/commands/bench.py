@@ -2,8 +2,8 @@
 
 Owns: turning flags into a BenchConfig, loading the engine and the peers once, the progress bar
 (stderr, with ETA), the table (stdout), `results.json` and the PNG in --out, and the last stdout
-line: one JSON summary for scripts. `--verify-curve` measures the runtime's forward-time curve
-instead (the cost model every speedup depends on).
+line: one JSON summary for scripts. `forerun bench curve` measures the runtime's forward-time
+curve instead (the cost model every speedup depends on).
 """
 
 from __future__ import annotations
@@ -43,9 +43,13 @@ def add_parser(sub) -> None:
     b = sub.add_parser(
         "bench", help="benchmark methods against plain decoding and peers on public prompts",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Run plain decoding and every method x k cell on each prompt, side by side "
-        "in one process, and report speedups per category: a table on stdout, results.json "
-        "and bench.png in --out, and one JSON summary as the last stdout line.")
+        description="methods (the default): run plain decoding and every method x k cell on "
+        "each prompt, side by side in one process, and report speedups per category: a table "
+        "on stdout, results.json and bench.png in --out, and one JSON summary as the last "
+        "stdout line. curve: measure the forward time over 1..32 new tokens at a ~200-token "
+        "context for the target (and draft), as a table, verify_curve.json and a plot.")
+    b.add_argument("mode", nargs="?", choices=["methods", "curve"], default="methods",
+                   help="what to measure")
     b.add_argument("--workload", action="append", default=None,
                    help=f"{' or '.join(BUILTIN)} or a JSONL file, optionally NAME:N for N "
                         "prompts per category of it (repeatable; default: spec_bench and "
@@ -71,9 +75,6 @@ def add_parser(sub) -> None:
                    help=f"also run peers on the same prompts ({','.join(PEER_NAMES)}); "
                         "--peers alone = all")
     b.add_argument("--out", default=DEFAULT_OUT, help="folder for results.json and the plot")
-    b.add_argument("--verify-curve", action="store_true",
-                   help="measure the forward time over 1..32 new tokens at a ~200-token context "
-                        "for the target (and draft) instead, as a table and plot")
     b.add_argument("--json", action="store_true", help="print only the JSON summary")
     add_model_args(b)
     b.set_defaults(func=run)
@@ -94,12 +95,13 @@ def run(args) -> int:
                       tree_topk=args.tree_topk, lookup=args.lookup, repeats=args.repeats)
     cfg.cells()  # validates method names and k before anything loads
     load = load_config(args)
-    wants_draft = args.verify_curve or "draft" in cfg.methods
+    curve = args.mode == "curve"
+    wants_draft = curve or "draft" in cfg.methods
     with Console(stderr=True).status(f"loading {args.target}"):
         engine = Engine(args.target, args.draft if wants_draft else None,
                         spec=SpecConfig("draft" if wants_draft else "none"), load=load)
     meta = _meta(args, load)
-    if args.verify_curve:
+    if curve:
         return _verify_curve(engine, args, out, meta, console)
 
     prompts = _fitting(engine, sample_workloads(args.workload or list(BUILTIN),

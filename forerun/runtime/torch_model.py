@@ -72,7 +72,7 @@ class PackedLinear(nn.Module):
     On CPUs, `F.linear` re-reads a row-major weight on every call and falls back to slow kernels
     for 2-16 rows; the prepacked path runs 1-token decoding about 2x faster in float32 and keeps
     the cost of verifying a few tokens close to the cost of one (see `forerun bench
-    --verify-curve`). Same math, same dtype; only the summation order may differ."""
+    curve`). Same math, same dtype; only the summation order may differ."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()

@@ -1,15 +1,15 @@
 """Heads' agreement with the target on benchmark replies, per category: the held-out figure
 `forerun train` reports, measured where the bench will draft instead of on the training corpus.
 
-Plain greedy replies to benchmark prompts (generated here, or read from a `head_replay.py
---record` file), each prompt + reply teacher-forced through the llama.cpp target (its last
+Plain greedy replies to benchmark prompts (generated here, or read from a `--record` file
+written before), each prompt + reply teacher-forced through the llama.cpp target (its last
 `--window` tokens, as a training window), then `forerun.train.predictions`, the training
 code's own path, per head folder given: top-1 agreement with the target's argmax per rolled-out
 step, on the reply's rows (by category) and on the prompt's rows. Chain-of-one acceptance on
 those replies is the step-1 reply figure. Deterministic: two heads compared here differ by
 their drafts alone, not by a noisy machine's timing.
 
-    python scripts/bench_agreement.py --heads DIR --heads DIR2 \\
+    python experiments/bench_agreement.py --heads DIR --heads DIR2 \\
         --workload spec_bench:4 --workload editeval:4 --record /tmp/replies.jsonl
 """
 
@@ -53,12 +53,11 @@ def main() -> None:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--workload", action="append", default=None,
                     help="NAME[:N] as in forerun bench (default: spec_bench:4, editeval:4)")
-    ap.add_argument("--seed", type=int, default=7, help="prompt sample (head_replay.py's)")
+    ap.add_argument("--seed", type=int, default=7, help="prompt sample")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--window", type=int, default=256, help="tokens teacher-forced per prompt")
     ap.add_argument("--record", type=Path, default=Path("bench_replies.jsonl"),
-                    help="replies: read if it exists (a head_replay.py record will do), else "
-                         "generated and written here")
+                    help="replies: read if it exists, else generated and written here")
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
     args = ap.parse_args()
     engine = Engine(args.target, None, spec=SpecConfig("none"),

@@ -15,7 +15,7 @@ the request extension field `speculation`:
 A warm-up round per mode (C = the largest level, 2 tokens) is not timed: the cost policy measures
 each slot's forward times at its first use. Prints a table and writes JSON (--json).
 
-  python scripts/serve_load.py --base-url http://127.0.0.1:8000/v1 --concurrency 1,4,8
+  python experiments/serve_load.py --base-url http://127.0.0.1:8000/v1 --concurrency 1,4,8
 """
 
 from __future__ import annotations

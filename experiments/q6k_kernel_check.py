@@ -4,8 +4,8 @@ against ggml's generic kernel (relative error), each column count 1-8 against th
 kernel (to the bit), and the GB/s of one row streaming a 191 MB LM head from memory next to the
 q4_K 8x8 kernel's.
 
-    python scripts/q6k_kernel_check.py [PATH/libggml-cpu.so.0]   # default: the installed one
-    python scripts/q6k_kernel_check.py --no-timing               # the checks only (tests/)
+    python experiments/q6k_kernel_check.py [PATH/libggml-cpu.so.0]   # default: the installed one
+    python experiments/q6k_kernel_check.py --no-timing               # the checks only (tests/)
 """
 
 import ctypes
