@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except (ModelError, SamplingError, ContextError, ValueError) as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)  # one line
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -209,3 +209,56 @@ def test_generate_batch_cuts_at_stop_strings_and_checks_its_arguments():
         engine.generate_batch(PROMPTS[:2], max_tokens=[3])
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         engine.generate_batch(PROMPTS[:1], max_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
+
+    root, tokens = tmp_path_factory.mktemp("batch_models"), byte_tokens()
+    for name, seed in (("target", 0), ("draft", 0)):
+        write_hf_dir(root / name, random_hf_weights(len(tokens), seed), tokens)
+    return root
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "forerun.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_generate_batch_command_keeps_fields_and_order_and_equals_generate(tiny_dirs, tmp_path):
+    import json
+
+    models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft"),
+              "--dtype", "float32", "--draft-dtype", "float32"]
+    rows = [{"prompt": "Write a sort.", "id": "a"},
+            {"messages": [{"role": "user", "content": "Hi there"}], "id": "b", "max_tokens": 5},
+            {"prompt": "abc abc abc", "id": "c"}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    r = _cli("generate", *models, "--batch", str(tmp_path / "in.jsonl"), "--out",
+             str(tmp_path / "out.jsonl"), "--max-tokens", "12", "--max-batch", "2")
+    assert r.returncode == 0, r.stderr
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [o["id"] for o in out] == ["a", "b", "c"]
+    assert out[1]["messages"] == rows[1]["messages"] and len(out[1]["token_ids"]) <= 5
+    for o in out:
+        assert {"text", "token_ids", "finish_reason", "stats"} <= o.keys()
+    solo = _cli("generate", *models, "--max-tokens", "12", "--json", "Write a sort.")
+    assert json.loads(solo.stdout)["token_ids"] == out[0]["token_ids"]
+    assert "tok/s in all" in r.stderr
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("not json\n", "line 1: not JSON"),
+    ('{"text": "x"}\n', 'expected {"prompt": TEXT}'),
+    ('{"prompt": "x", "max_tokens": 0}\n', "max_tokens must be an integer >= 1"),
+    ("\n", "no prompts"),
+])
+def test_a_bad_batch_file_is_one_clear_line(tiny_dirs, tmp_path, text, message):
+    (tmp_path / "in.jsonl").write_text(text)
+    r = _cli("generate", "--target", str(tiny_dirs / "target"), "--batch",
+             str(tmp_path / "in.jsonl"))
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

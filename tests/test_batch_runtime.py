@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from forerun.runtime.batch import BatchTorchRuntime, CachePool, PackedBatch, PoolFull
 from forerun.runtime.torch_model import TorchRuntime
 from forerun.tree import TokenTree
-from conftest import tiny_model
 
 TOL = 1e-12
 BUDGET = 1 << 20  # bytes: ~1,000 tokens of the tiny model

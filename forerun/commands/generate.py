@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from rich.markup import escape
 from rich.table import Table
 
-from forerun.api import Completion, Engine
+from forerun.api import DEFAULT_KV_BUDGET_BYTES, Completion, Engine
 from forerun.bench.report import NEAR_TIE, describe_divergence
 from forerun.commands.options import (
     add_model_args,
@@ -40,6 +41,21 @@ def add_parser(sub) -> None:
                      help="also run plain decoding and report speedup and whether the outputs "
                           "are identical")
     gen.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    g = gen.add_argument_group("offline batches")
+    g.add_argument("--batch", default=None, metavar="FILE.jsonl",
+                   help="decode every line of FILE together instead of one PROMPT: "
+                        '{"prompt": TEXT} (chat-templated unless --raw) or {"messages": [...]}, '
+                        'optionally "max_tokens"; one target pass a step serves every live '
+                        "line (torch runtime). Each output line is the input line plus text, "
+                        "token_ids, finish_reason and stats, in input order")
+    g.add_argument("--out", default=None, metavar="FILE.jsonl",
+                   help="with --batch: write the output lines here instead of stdout")
+    g.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help="with --batch: at most N sequences per pass (default: as many as the KV "
+                        "budget holds)")
+    g.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET_BYTES / 2**30,
+                   metavar="GIB", help="with --batch: KV-cache memory per model, GiB; a line "
+                   "reserves its prompt + max tokens and waits while the budget is full")
     add_model_args(gen)
     add_spec_args(gen)
     add_sampling_args(gen)
@@ -48,6 +64,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if args.batch is not None:
+        return _run_batch(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise ValueError("empty prompt: pass it as an argument or on stdin")
@@ -118,3 +136,62 @@ def _print_stats(results: list[Completion], speedup: float | None = None,
         err.print(f"speedup {speedup:.2f}x; speculative tokens vs plain: {verdict}")
     if parted:
         err.print(escape(f"they part at {describe_divergence(parted, decode)} ({NEAR_TIE})"))
+
+
+def _read_batch(path: str) -> list[dict]:
+    """The --batch file's lines, each checked: a JSON object with "prompt" or "messages"."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"--batch {path}: {e.strerror}") from e
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--batch {path}, line {n}: not JSON ({e.msg})") from e
+        ok = isinstance(row, dict) and (isinstance(row.get("prompt"), str) or (
+            isinstance(row.get("messages"), list) and row["messages"]
+            and all(isinstance(m, dict) for m in row["messages"])))
+        if not ok:
+            raise ValueError(f'--batch {path}, line {n}: expected {{"prompt": TEXT}} or '
+                             '{"messages": [{"role": ..., "content": ...}, ...]}')
+        budget = row.get("max_tokens")
+        if budget is not None and not (isinstance(budget, int) and budget >= 1):
+            raise ValueError(f"--batch {path}, line {n}: max_tokens must be an integer >= 1")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"--batch {path}: no prompts")
+    return rows
+
+
+def _run_batch(args) -> int:
+    rows = _read_batch(args.batch)  # a bad file fails before any model loads
+    if args.max_batch is not None and args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.kv_budget <= 0:
+        raise ValueError(f"--kv-budget must be > 0 GiB, got {args.kv_budget}")
+    engine = load_engine(args)
+    prompts = [r["messages"] if "messages" in r else
+               engine.tokenizer.encode_prompt(r["prompt"], raw=args.raw, system=args.system)
+               for r in rows]
+    with err.status(f"decoding {len(rows)} prompts together"):
+        results = engine.generate_batch(
+            prompts, sampling=sampling_config(args), stop=tuple(args.stop),
+            max_tokens=[r.get("max_tokens", args.max_tokens) for r in rows],
+            max_batch=args.max_batch, kv_budget_bytes=int(args.kv_budget * 2**30))
+    lines = [json.dumps(row | {"text": c.text, "token_ids": c.token_ids,
+                               "finish_reason": c.finish_reason, "stats": c.stats.to_dict()})
+             for row, c in zip(rows, results, strict=True)]
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    else:
+        print("\n".join(lines))
+    tokens = sum(c.stats.new_tokens for c in results)
+    wall = max((c.stats.wall_s for c in results), default=0.0)
+    err.print(f"{len(rows)} prompts, {tokens} new tokens in {wall:.2f} s: "
+              f"{tokens / max(wall, 1e-9):.1f} tok/s in all" + (f"; wrote {args.out}" if args.out
+                                                             else ""), highlight=False)
+    return 0
