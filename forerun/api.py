@@ -110,7 +110,7 @@ def head_precision(name: str, device: str = "cpu") -> str:
     multiplies bfloat16 fast and torch has the int8 weight-only kernel, else w8a8 where torch
     has fbgemm (x86), else float32. Measured: an EAGLE draft step 7.9 ms in float32 (LM slice
     bfloat16), ~2.5 ms in int8 on an AVX512-BF16 EPYC; on an AVX2-only Zen 3 a chain of 4 steps
-    53 ms in float32, 22 ms in int8, w8a8 in the README (scripts/head_cost.py)."""
+    53 ms in float32, 22 ms in int8, w8a8 in the README (`forerun profile heads`)."""
     if name != "auto":
         return name
     if device != "cpu":

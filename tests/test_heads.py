@@ -447,7 +447,7 @@ def test_auto_head_precision_is_one_of_the_precisions():
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle", "eagle3"])
 def test_heads_move_whole_to_the_targets_device(kind):
-    """Heads draft where the target's features are (scripts/gpu_check.py runs them on CUDA):
+    """Heads draft where the target's features are (`forerun profile gpu` runs them on CUDA):
     .to(device) carries every tensor a draft step reads, the target's embedding and LM rows
     too ("meta" stands in for a GPU here), without saving those rows; the KV cache follows,
     and w8a8 (fbgemm, CPU only) is refused off the CPU."""

@@ -89,7 +89,7 @@ MIN_IDLE, MAX_IDLE = 4, 64
 # 2 mt_bench prompts: the same accepted lengths with windows of 32, 64, 256 and every row.
 # EPYC, llama.cpp, h125 head (int8: a call 3.4 ms + 0.27 ms a row caught up, and the target's
 # -hidden FFN over the window's prompt rows in the TTFT), its full trees recorded on 24
-# Spec-Bench and 8 EditEval replies (scripts/head_replay.py): windows of 32, 16 and 8 (this
+# Spec-Bench and 8 EditEval replies (replayed offline): windows of 32, 16 and 8 (this
 # and REST_WINDOW) accept the same (oracle cut, mt_bench / translation / summarization / qa
 # / math / rag / EditEval: 1.30 / 1.33 / 1.12 / 1.12 / 1.63 / 1.18 / 1.61
 # tokens a pass per category with 32, 1.30 / 1.33 / 1.12 / 1.12 / 1.60 / 1.18 / 1.61 with 16);
@@ -106,14 +106,14 @@ _EAGLE_CACHES: WeakKeyDictionary = WeakKeyDictionary()
 
 
 class HeadProposer:
-    # a head step's cost (scripts/head_cost.py: int8 ~2% of a torch bf16 target pass, 3-10% of
+    # a head step's cost (`forerun profile heads`: int8 ~2% of a torch bf16 target pass, 3-10% of
     # a llama.cpp one; w8a8 ~5% of llama.cpp's on an AVX2-only CPU) is measured as it drafts
     # (head_seconds) and priced by the automatic budget
     runtime = None
     group = None  # drafts alone, through propose
     static: StaticHeadSteps | None = None  # EAGLE: its steps in static shapes (CUDA graphs)
     # EAGLE with static steps: grow the draft tree on the device (static.tree); False grows it
-    # level by level through the host (scripts/gpu_check.py compares the two)
+    # level by level through the host (`forerun profile gpu` compares the two)
     tree_on_device = True
 
     def __init__(self, heads: Heads, capacity: int, tree: int = 0, topk: int = 4,

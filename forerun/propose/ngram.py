@@ -40,8 +40,8 @@ RUN_CLASSES = 4
 # A max_n-token suffix's continuation comes from whichever of its latest OCCURRENCES earlier
 # occurrences has the longest run (ties: the latest), not from the latest alone: code repeats
 # short patterns, and the occurrence being copied is the one the text agrees with furthest
-# back. scripts/lookup_replay.py -k 16 (decode speedup of the branch alone), 40 EditEval
-# replies: 1.67x latest only, 1.72x of 4 or 16; 8 others: 1.59x, 1.63x.
+# back. Replayed over recorded greedy outputs at k = 16 (the branch alone's decode speedup), 40
+# EditEval replies: 1.67x latest only, 1.72x of 4 or 16; 8 others: 1.59x, 1.63x.
 OCCURRENCES = 4
 
 
