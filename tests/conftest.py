@@ -72,3 +72,34 @@ def _no_curve_cache_on_disk(monkeypatch):
     """Tests measure forward curves afresh and leave nothing in the user's model cache
     (test_llama_cpp's own test turns the disk cache on, in a temporary FORERUN_HOME)."""
     monkeypatch.setenv("FORERUN_CURVE_CACHE", "0")
+
+
+# Synthetic forward-time curves (seconds per pass of n tokens): drafting pays on them wherever a
+# test runs (the cost policy at its prior acceptance 0.5 drafts k = 2: 1.75 tokens / 1.3 s
+# against plain's 1 / 1), where this machine's measured curve may price every draft out.
+SYNTHETIC_VERIFY_FIRST, SYNTHETIC_VERIFY_PER_TOKEN = 1.0, 0.1
+SYNTHETIC_DRAFT_TOKEN = 0.05
+
+
+@pytest.fixture
+def synthetic_curves(monkeypatch):
+    """`price(target, drafter=None, per_token=...)`: the runtimes' calibration (the cost
+    policy's, an automatic tree's) returns the synthetic curves above instead of timing passes
+    (per_token = 0: a flat curve, as a GPU's, on which even random heads' trees pay); the
+    decode loop's live correction still sees real passes. A runtime nobody priced fails."""
+    import forerun.profile as profile
+    from forerun.profile import ForwardCurve
+
+    prices = {}
+
+    def measure(runtime, sizes, **kwargs):
+        first, per_token = prices[runtime]
+        return ForwardCurve(tuple(sizes), tuple(first + per_token * (n - 1) for n in sizes))
+
+    def price(target, drafter=None, per_token=SYNTHETIC_VERIFY_PER_TOKEN):
+        prices[target] = (SYNTHETIC_VERIFY_FIRST, per_token)
+        if drafter is not None:
+            prices[drafter] = (SYNTHETIC_DRAFT_TOKEN, SYNTHETIC_DRAFT_TOKEN)
+
+    monkeypatch.setattr(profile, "measure_forward_curve", measure)
+    return price

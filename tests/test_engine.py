@@ -28,12 +28,15 @@ def plain(seed=0, prompt=(), max_new=MAX_NEW, stop=(), capacity=256):
 
 
 def speculative(method, k, policy="fixed", prompt=(), draft_seed=0, max_new=MAX_NEW, stop=(),
-                capacity=256, target_seed=0, noise=0.05):
-    """Default draft: the target perturbed by noise, so it agrees often but not always."""
+                capacity=256, target_seed=0, noise=0.05, price=None):
+    """Default draft: the target perturbed by noise, so it agrees often but not always.
+    `price`: conftest's synthetic_curves, to price the runtimes on synthetic curves."""
     target = tiny_runtime(target_seed, capacity=capacity)
     draft = tiny_runtime(draft_seed, capacity=capacity, noise=noise)
     spec = SpecConfig(method, k, policy)
     proposer = PROPOSERS[method](spec, target, draft, heads_for(method, target))
+    if price is not None:
+        price(target, proposer.runtime)
     lengths = POLICIES[policy](spec, target, proposer.runtime)
     steps = list(speculative_decode(target, proposer, lengths, list(prompt),
                                     SamplingConfig(), max_new, stop, make_generator(0)))
@@ -47,11 +50,14 @@ GRID = [(m, k) for m in PROPOSERS for k in ([1, 2, 5, 8] if m not in KINDS else 
 @pytest.mark.parametrize(("method", "k"), GRID)
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("prompt", list(PROMPTS))
-def test_greedy_speculative_equals_plain(method, k, policy, prompt):
+def test_greedy_speculative_equals_plain(method, k, policy, prompt, synthetic_curves):
+    """The cost policy prices drafts on synthetic curves (conftest) on which drafting pays, so
+    every cell drafts on any machine: a cell that drafted nothing would test nothing."""
     expected = plain(prompt=PROMPTS[prompt])
-    got, _steps = speculative(method, k, policy, PROMPTS[prompt])
+    got, steps = speculative(method, k, policy, PROMPTS[prompt], price=synthetic_curves)
     assert got == expected
     assert len(got) == MAX_NEW
+    assert sum(s.drafted for s in steps) > 0
 
 
 def test_agreeing_draft_accepts_some_and_rejects_some():

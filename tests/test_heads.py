@@ -306,17 +306,19 @@ def test_a_backlog_catch_up_is_priced_as_a_drafting_step(monkeypatch):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tree", [0, 7, AUTO_TREE])
 @pytest.mark.parametrize("lookup", [False, True])  # with the prompt-lookup branch too
-def test_greedy_head_speculation_equals_plain_greedy(kind, tree, lookup):
+def test_greedy_head_speculation_equals_plain_greedy(kind, tree, lookup, synthetic_curves):
+    """An automatic budget prices its trees on a flat synthetic curve (conftest), on which
+    random heads' trees pay, so every cell drafts on any machine."""
     reference = [t for s in plain_decode(tiny_runtime(0), PROMPT_T, GREEDY, 40, (),
                                          make_generator(0)) for t in s.tokens]
     target = tiny_runtime(0)
+    synthetic_curves(target, per_token=0.0)
     heads = random_heads(kind, target)
     spec = SpecConfig(kind, 3, tree=tree, tree_topk=3, lookup=lookup)
     proposer = PROPOSERS[kind](spec, target, None, heads)
     out, steps = decode(target, proposer, 3, GREEDY, 40, make_generator(0))
     assert out == reference and all(s.drafted <= 3 for s in steps)
-    if tree != AUTO_TREE:  # an automatic budget, on this machine's measured curve, may draft
-        assert sum(s.drafted for s in steps) > 0  # nothing (it is checked on fixed curves)
+    assert sum(s.drafted for s in steps) > 0
 
 
 # --- heads + the prompt-lookup branch ----------------------------------------------------
@@ -868,7 +870,7 @@ def test_eagle_static_steps_draft_as_the_eager_ones(kind, tree):
     for static in (False, True):
         target = tiny_runtime(0)
         heads = random_heads(kind, target)
-        proposer = HeadProposer(heads, target.capacity, tree, 2, verify=lambda n: 1.0 + n / 8,
+        proposer = HeadProposer(heads, target.capacity, tree, 2, verify=lambda n: 1.0 + n / 64,
                                 static=static)
         assert (proposer.static is not None) == static
         drafts, propose = [], proposer.propose
@@ -883,6 +885,7 @@ def test_eagle_static_steps_draft_as_the_eager_ones(kind, tree):
         steps = speculative_decode(target, proposer, FixedK(5), prompt, GREEDY, 30, (),
                                    make_generator(0))
         runs[static] = ([t for s in steps for t in s.tokens], drafts)
+        assert any(tokens for tokens, _ in drafts)  # the cell drafts (auto: on this curve)
         assert bool(proposer.static and proposer.static._sized) == static  # the path was taken
         assert bool(proposer.static and proposer.static.tree._shaped) == static
     assert runs[True][0] == runs[False][0]
