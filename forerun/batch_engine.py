@@ -32,7 +32,7 @@ import torch
 from forerun.metrics import Step
 from forerun.policy import LengthPolicy
 from forerun.propose.base import BatchDrafter, Draft, DraftRequest, Proposer
-from forerun.runtime.batch import BatchTorchRuntime, PackedBatch, PoolFull
+from forerun.runtime.batch import BatchRuntime, PackedBatch, PoolFull
 from forerun.sampling import SamplingConfig, logits_to_probs, next_token
 from forerun.stopping import check_prompt, cut
 from forerun.tree import TokenTree
@@ -71,7 +71,7 @@ class Sequence:
         return len(self.prompt) + self.max_new_tokens + self.max_k + 1
 
 
-def admit(runtime: BatchTorchRuntime, seq: Sequence) -> None:
+def admit(runtime: BatchRuntime, seq: Sequence) -> None:
     """Reserve the sequence's cache region (PoolFull when it does not fit now)."""
     check_prompt(seq.prompt, runtime.capacity)
     seq.handle = runtime.add(min(seq.slots(), runtime.capacity))
@@ -83,7 +83,7 @@ def admit(runtime: BatchTorchRuntime, seq: Sequence) -> None:
             raise
 
 
-def retire(runtime: BatchTorchRuntime, seq: Sequence) -> None:
+def retire(runtime: BatchRuntime, seq: Sequence) -> None:
     """Free the sequence's cache region, and its drafter's."""
     if seq.proposer is not None and seq.proposer.group is not None:
         seq.proposer.group.release(seq.proposer)
@@ -92,7 +92,7 @@ def retire(runtime: BatchTorchRuntime, seq: Sequence) -> None:
         seq.handle = -1
 
 
-def step(runtime: BatchTorchRuntime, live: list[Sequence]) -> list[Step]:
+def step(runtime: BatchRuntime, live: list[Sequence]) -> list[Step]:
     """One target pass for every sequence in `live` (admitted, unfinished) -> their Steps."""
     # 1. Propose: prompts for new members, pending token + draft for the others.
     drafts = _propose_all(runtime, live)
@@ -153,7 +153,7 @@ def step(runtime: BatchTorchRuntime, live: list[Sequence]) -> list[Step]:
     return out
 
 
-def _propose_all(runtime: BatchTorchRuntime, live: list[Sequence]) -> list[Draft | None]:
+def _propose_all(runtime: BatchRuntime, live: list[Sequence]) -> list[Draft | None]:
     """Each member's draft (None for a member still to prefill). Members whose proposers share
     a drafter (`group`) draft together, one pass per draft position for all of them."""
     drafts: list[Draft | None] = [None] * len(live)
@@ -178,13 +178,13 @@ def _propose_all(runtime: BatchTorchRuntime, live: list[Sequence]) -> list[Draft
                                                                            strict=True)]
 
 
-def _room(runtime: BatchTorchRuntime, s: Sequence) -> int:
+def _room(runtime: BatchRuntime, s: Sequence) -> int:
     """Draft nodes a verify pass of `s` may hold: its region's slots after the pending token,
     and its max_k."""
-    return min(runtime.pool.region(s.handle).size - len(s.tokens), s.max_k)
+    return min(runtime.reserved(s.handle) - len(s.tokens), s.max_k)
 
 
-def _emit(runtime: BatchTorchRuntime, s: Sequence, tokens: list[int], drafted: int,
+def _emit(runtime: BatchRuntime, s: Sequence, tokens: list[int], drafted: int,
           accepted: int, now: float, prefill: bool = False) -> Step:
     if prefill:
         s.tokens = [*s.prompt, *tokens]
@@ -196,7 +196,7 @@ def _emit(runtime: BatchTorchRuntime, s: Sequence, tokens: list[int], drafted: i
     return result
 
 
-def run_to_completion(runtime: BatchTorchRuntime, seqs: list[Sequence],
+def run_to_completion(runtime: BatchRuntime, seqs: list[Sequence],
                       max_batch: int | None = None,
                       on_step: Callable[[Sequence, Step], bool] | None = None) -> None:
     """Decode every sequence: admit while the pool and `max_batch` allow, step the live ones

@@ -28,6 +28,7 @@ are a prefix: the compaction is then a no-op). Never samples, never tokenizes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +93,41 @@ class PackedBatch:
 
     def rows_of(self, b: int) -> slice:
         return slice(self.cu[b], self.cu[b + 1])
+
+
+class BatchRuntime(Protocol):
+    """What the batch step asks of a backend holding many sequences (torch: BatchTorchRuntime;
+    llama.cpp: its batched context)."""
+
+    capacity: int  # the most tokens one sequence may hold (prompt + output)
+    capabilities: Capabilities
+
+    def add(self, tokens: int) -> int:
+        """A new sequence that will cache at most `tokens` tokens -> its handle (PoolFull when
+        the memory for it is not free now)."""
+        ...
+
+    def release(self, seq: int) -> None: ...
+
+    def length(self, seq: int) -> int:
+        """Tokens in the sequence's cache."""
+        ...
+
+    def reserved(self, seq: int) -> int:
+        """The most tokens the sequence's cache may hold (what `add` reserved)."""
+        ...
+
+    def commit(self, seq: int, base: int, rows: list[int]) -> None:
+        """Keep the last pass's rows `rows` of the sequence (ascending) as slots base..; drop
+        the rest of that pass."""
+        ...
+
+    def truncate(self, seq: int, length: int) -> None: ...
+
+    def forward(self, batch: PackedBatch, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """One pass over every member -> logits [R, V] of batch.logit_rows (every row when
+        None), on the CPU, and hidden states layer -> [N, D]."""
+        ...
 
 
 @dataclass
@@ -189,6 +225,9 @@ class BatchTorchRuntime:
 
     def length(self, seq: int) -> int:
         return self.pool.region(seq).length
+
+    def reserved(self, seq: int) -> int:
+        return self.pool.region(seq).size
 
     def commit(self, seq: int, base: int, rows: list[int]) -> None:
         """After a pass that appended a member's tokens at slot `base`: keep its rows `rows`
