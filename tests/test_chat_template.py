@@ -51,7 +51,11 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("name", HOSTILE)
-def test_hostile_template_fails_within_its_bound(name):
+def test_hostile_template_fails_within_its_bound(name, monkeypatch):
+    # counts, not the clock: a smaller loop budget (quicker) and a deadline out of reach, so
+    # that a loaded machine cannot turn "loop iterations" into "ran over 5.0 s"
+    monkeypatch.setattr(chat_template, "MAX_LOOP_STEPS", 50_000)
+    monkeypatch.setattr(chat_template, "RENDER_DEADLINE_S", 3600.0)
     source, message = HOSTILE[name]
     with pytest.raises(TemplateBudgetError, match=message):
         render(compile_template(source), messages=MESSAGES)

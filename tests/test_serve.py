@@ -41,6 +41,7 @@ from test_stopping import CountingStr, linear_budget
 from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
 
 from forerun import Engine, LoadConfig, SpecConfig, profile
+from forerun.models import chat_template
 from forerun.models.load import open_model
 from forerun.runtime.base import ForwardOutput
 from forerun.sampling import SamplingConfig
@@ -807,7 +808,10 @@ def chat_server(model_dirs, template: str) -> ThreadServer:
      "{% endfor %}{% endfor %}{% endfor %}", "loop iterations"),
     ("{{ messages[0].content * 10**10 }}", "repetition"),
 ])
-def test_hostile_chat_template_fails_the_request_clearly(model_dirs, template, message):
+def test_hostile_chat_template_fails_the_request_clearly(model_dirs, template, message,
+                                                        monkeypatch):
+    # the loop budget (a count) must be what stops it, however loaded the machine
+    monkeypatch.setattr(chat_template, "RENDER_DEADLINE_S", 3600.0)
     with chat_server(model_dirs, template) as s:
         api = openai.OpenAI(base_url=f"{s.base}/v1", api_key="none", max_retries=0, timeout=60)
         with pytest.raises(openai.BadRequestError) as e:
