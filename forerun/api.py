@@ -15,18 +15,20 @@ from dataclasses import dataclass, replace
 import torch
 
 from forerun.batch_engine import Sequence, run_to_completion
+from forerun.batch_policy import BatchCost, BatchCostPolicy, measure_batch_curve
 from forerun.engine import speculative_decode
 from forerun.heads import KINDS, PRECISIONS, Heads, load_heads, w8a8_available
 from forerun.metrics import GenerationStats, Step
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
 from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model, resolve_dtype, target_io
 from forerun.models.tokenizer import IncrementalDecoder, TextTokenizer
-from forerun.policy import POLICIES, LengthPolicy
+from forerun.policy import POLICIES, FixedK, LengthPolicy
+from forerun.profile import ForwardCurve
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.draft_batch import SharedDraftModel
 from forerun.reference import plain_decode
 from forerun.runtime.base import Runtime
-from forerun.runtime.batch import BatchTorchRuntime
+from forerun.runtime.batch import BatchRuntime, BatchTorchRuntime
 from forerun.runtime.torch_model import TorchRuntime
 from forerun.sampling import SamplingConfig, make_generator
 from forerun.stopping import StopStrings
@@ -181,6 +183,7 @@ class Engine:
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
         self.heads = heads
         self._batches: dict[tuple[str, int], BatchTorchRuntime] = {}  # (role, budget) -> view
+        self._batch_curves: dict[int, ForwardCurve] = {}  # id(batched view) -> its pass costs
 
     def warm_up(self) -> int:
         """Record the target's and the draft model's static passes (CUDA graphs on a GPU) of
@@ -296,8 +299,15 @@ class Engine:
                 seq.max_k = MAX_BATCH_K if spec.policy == "adaptive" else spec.k
                 seq.proposer = (shared.proposer(len(ids) + budget + seq.max_k + 1) if shared
                                 else PROPOSERS[spec.method](spec, self.target, None, self.heads))
-                seq.policy = POLICIES[spec.policy](spec, self.target, seq.proposer.runtime)
+                # the cost policy chooses every member's k together (forerun.batch_policy)
+                seq.policy = (FixedK(spec.k) if spec.policy == "cost" else
+                              POLICIES[spec.policy](spec, self.target, seq.proposer.runtime))
             seqs.append(seq)
+        lengths = None
+        if spec.policy == "cost" and spec.method != "none":
+            lengths = BatchCostPolicy(BatchCost(
+                self._batch_curve(target), None if shared is None else
+                self._batch_curve(shared.runtime)))
         texts = {id(q): ([], IncrementalDecoder(self.tokenizer), StopStrings(stop)) for q in seqs}
 
         def on_step(seq: Sequence, step: Step) -> bool:  # text, and stop strings, as stream()
@@ -311,12 +321,19 @@ class Engine:
             return hit is not None
 
         start = time.perf_counter()
-        run_to_completion(target, seqs, max_batch, on_step)
+        run_to_completion(target, seqs, max_batch, on_step, lengths)
         k = spec.k if spec.method != "none" else 0
         return [Completion("".join(texts[id(q)][0]), [t for st in q.steps for t in st.tokens],
                            q.finish or "length",
                            GenerationStats.from_steps(spec.method, k, start, q.steps),
                            prompt_tokens=len(q.prompt)) for q in seqs]
+
+    def _batch_curve(self, runtime: BatchRuntime) -> ForwardCurve:
+        """Seconds of a pass over n rows of a batched runtime, measured at its first use."""
+        if id(runtime) not in self._batch_curves:
+            self._batch_curves[id(runtime)] = measure_batch_curve(runtime,
+                                                                  self.target.config.vocab_size)
+        return self._batch_curves[id(runtime)]
 
     def _batch_runtime(self, role: str, runtime: Runtime, budget: int) -> BatchTorchRuntime:
         """The batched view of the target or the draft (kept: its pool is reused)."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from forerun.batch_policy import BatchCostPolicy
 from forerun.metrics import Step
 from forerun.policy import LengthPolicy
 from forerun.propose.base import BatchDrafter, Draft, DraftRequest, Proposer
@@ -92,10 +93,12 @@ def retire(runtime: BatchRuntime, seq: Sequence) -> None:
         seq.handle = -1
 
 
-def step(runtime: BatchRuntime, live: list[Sequence]) -> list[Step]:
-    """One target pass for every sequence in `live` (admitted, unfinished) -> their Steps."""
+def step(runtime: BatchRuntime, live: list[Sequence],
+         lengths: BatchCostPolicy | None = None) -> list[Step]:
+    """One target pass for every sequence in `live` (admitted, unfinished) -> their Steps.
+    `lengths` chooses every member's k together (else each member's own policy does)."""
     # 1. Propose: prompts for new members, pending token + draft for the others.
-    drafts = _propose_all(runtime, live)
+    drafts = _propose_all(runtime, live, lengths)
     # 2. Pack every member's new tokens into one pass.
     feeds, trees = [], []
     for s, d in zip(live, drafts, strict=True):
@@ -148,29 +151,35 @@ def step(runtime: BatchRuntime, live: list[Sequence]) -> list[Step]:
             s.proposer.commit(len(s.tokens) - 1)
             # 6. Adapt the member's draft length.
             s.policy.update(drafted, len(verdict.path))
+            if lengths is not None:
+                lengths.update(id(s), drafted, len(verdict.path))
         # 7. Emit.
         out.append(_emit(runtime, s, verdict.tokens, drafted, len(verdict.path), now))
     return out
 
 
-def _propose_all(runtime: BatchRuntime, live: list[Sequence]) -> list[Draft | None]:
+def _propose_all(runtime: BatchRuntime, live: list[Sequence],
+                 lengths: BatchCostPolicy | None) -> list[Draft | None]:
     """Each member's draft (None for a member still to prefill). Members whose proposers share
     a drafter (`group`) draft together, one pass per draft position for all of them."""
     drafts: list[Draft | None] = [None] * len(live)
+    decoding = [i for i, s in enumerate(live) if s.prefilled]
+    caps = [0 if live[i].proposer is None else max(0, min(
+        live[i].max_new_tokens - live[i].emitted - 1, _room(runtime, live[i])))
+        for i in decoding]
+    ks = (lengths.choose([id(live[i]) for i in decoding], caps) if lengths is not None else
+          [min(c, live[i].policy.next_k()) if c else 0 for i, c in zip(decoding, caps,
+                                                                        strict=True)])
     grouped: dict[int, tuple[BatchDrafter, list[tuple[int, DraftRequest]]]] = {}
-    for i, s in enumerate(live):
-        if not s.prefilled:
-            continue
+    for i, k in zip(decoding, ks, strict=True):
+        s = live[i]
         if s.proposer is None:
             drafts[i] = Draft.empty()
-            continue
-        k = max(0, min(s.policy.next_k(), s.max_new_tokens - s.emitted - 1, _room(runtime, s)))
-        request = DraftRequest(s.proposer, s.tokens, k, s.sampling, s.generator)
-        if s.proposer.group is None:
+        elif s.proposer.group is None:
             drafts[i] = s.proposer.propose(s.tokens, k, s.sampling, s.generator)
         else:
             grouped.setdefault(id(s.proposer.group), (s.proposer.group, []))[1].append(
-                (i, request))
+                (i, DraftRequest(s.proposer, s.tokens, k, s.sampling, s.generator)))
     for group, requests in grouped.values():
         for (i, _), draft in zip(requests, group.propose([r for _, r in requests]), strict=True):
             drafts[i] = draft
@@ -198,7 +207,8 @@ def _emit(runtime: BatchRuntime, s: Sequence, tokens: list[int], drafted: int,
 
 def run_to_completion(runtime: BatchRuntime, seqs: list[Sequence],
                       max_batch: int | None = None,
-                      on_step: Callable[[Sequence, Step], bool] | None = None) -> None:
+                      on_step: Callable[[Sequence, Step], bool] | None = None,
+                      lengths: BatchCostPolicy | None = None) -> None:
     """Decode every sequence: admit while the pool and `max_batch` allow, step the live ones
     together, retire the finished (their regions go to the waiting). `on_step(seq, step)`
     sees every step; True ends that sequence there (a stop string: finish "stop")."""
@@ -212,9 +222,11 @@ def run_to_completion(runtime: BatchRuntime, seqs: list[Sequence],
                     raise
                 break
             live.append(waiting.pop(0))
-        for s, result in zip(live, step(runtime, live), strict=True):
+        for s, result in zip(live, step(runtime, live, lengths), strict=True):
             if on_step is not None and on_step(s, result) and not s.finish:
                 s.finish = "stop"
         for s in [s for s in live if s.finish]:
             retire(runtime, s)
             live.remove(s)
+            if lengths is not None:
+                lengths.forget(id(s))

@@ -182,9 +182,14 @@ def _engine(method="draft", k=4, policy="fixed"):
 
 
 @pytest.mark.parametrize(("method", "policy"), [("none", "fixed"), ("draft", "fixed"),
-                                                ("ngram", "fixed"), ("draft", "adaptive")])
+                                                ("ngram", "fixed"), ("draft", "adaptive"),
+                                                ("draft", "cost")])
 def test_generate_batch_equals_generate_one_at_a_time(method, policy):
     engine = _engine(method, policy=policy)
+    if policy == "cost":  # a curve under which drafting pays, whatever this machine measures
+        from forerun.profile import ForwardCurve
+
+        engine._batch_curve = lambda runtime: ForwardCurve((1, 1000), (0.1, 0.1))
     budgets = [30, 12, 25, 40]
     got = engine.generate_batch(PROMPTS[:4], max_tokens=budgets, max_batch=3)
     for prompt, budget, out in zip(PROMPTS[:4], budgets, got, strict=True):

@@ -1,0 +1,140 @@
+"""Draft lengths for a whole batch: every member's k chosen together, so that the batch's
+expected tokens per second is highest under the measured cost of a pass of that many rows.
+
+Owns: `BatchCost` (the choice), `measure_batch_curve` (seconds of one target pass over n rows
+spread over several sequences, the cost surface the choice reads) and `BatchCostPolicy`, the
+choice fed with each member's running acceptance.
+
+Why a batch needs its own policy: one sequence's verify pass of k+1 rows costs little more
+than one row on a CPU (the weights are read once either way), so drafting pays. A batch of B
+sequences already reads the weights for B rows; k more rows each make the pass B(k+1) rows,
+which is compute, not memory, once B is large. So speculation must shrink by itself as the
+batch fills, down to k = 0 (plain batched decoding), and come back as it empties. The choice
+is greedy by marginal gain: start every member at k = 0 (one row each, B expected tokens),
+and keep adding the draft token with the largest expected gain, member b's next token being
+accepted with probability a_b^(k_b+1) (each accepted independently with the member's rate
+until the first rejection: `forerun.policy.expected_tokens`), while tokens per second rises:
+
+    rate(k) = sum_b E[tokens_b | k_b] / (verify(B + sum_b k_b) + draft(k))
+
+where draft(k) is the shared draft model's rounds: round r runs the members with k_b >= r.
+Output never depends on the choice (every k is lossless); only speed does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import accumulate
+from time import perf_counter
+
+import torch
+
+from forerun.profile import FILLER_SEED, ForwardCurve
+from forerun.propose.base import AcceptanceEstimate
+from forerun.runtime.batch import BatchRuntime, PackedBatch
+
+# Per-member acceptance before any evidence (as the one-sequence cost policy's prior), worth a
+# few positions, forgetting over ~64 positions: it follows the text
+ACCEPTANCE_PRIOR, PRIOR_TRIALS, ACCEPTANCE_MEMORY = 0.5, 4.0, 64.0
+BATCH_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # rows of the calibration passes
+CURVE_MEMBERS = 8  # sequences a calibration pass spreads its rows over (attention per member)
+CURVE_CONTEXT = 200  # tokens each of them holds, as in a short chat
+CURVE_REPS, CURVE_WARMUP = 3, 1
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """`verify(n)`: target seconds for a pass of n rows; `draft_round(m)`: seconds of one
+    shared draft round over m members (None: drafting is free, e.g. n-gram lookup)."""
+
+    verify: Callable[[float], float]
+    draft_round: Callable[[float], float] | None = None
+
+    def choose(self, acceptance: list[float], caps: list[int]) -> list[int]:
+        """Every member's k (0..caps[b]) with the most expected tokens per second."""
+        B = len(acceptance)
+        k = [0] * B
+        in_round = [0] * (max(caps, default=0) + 2)  # members drafting at each depth
+        tokens, rows, drafting = float(B), B, 0.0
+        rate = tokens / self.verify(rows)
+        while True:
+            best, best_rate, best_cost = -1, rate, 0.0
+            for b in range(B):
+                if k[b] >= caps[b]:
+                    continue
+                depth = k[b] + 1
+                extra = 0.0
+                if self.draft_round is not None:  # round `depth` gains one member
+                    m = in_round[depth]
+                    extra = self.draft_round(m + 1) - (self.draft_round(m) if m else 0.0)
+                gain = acceptance[b] ** depth
+                r = (tokens + gain) / (self.verify(rows + 1) + drafting + extra)
+                if r > best_rate:
+                    best, best_rate, best_cost = b, r, extra
+            if best < 0:
+                return k
+            k[best] += 1
+            in_round[k[best]] += 1
+            tokens += acceptance[best] ** k[best]
+            rows, drafting, rate = rows + 1, drafting + best_cost, best_rate
+
+
+@dataclass
+class BatchCostPolicy:
+    """BatchCost fed with each member's running acceptance (keyed by the member's id)."""
+
+    cost: BatchCost
+    estimates: dict[int, AcceptanceEstimate] = field(default_factory=dict)
+
+    def choose(self, members: list[int], caps: list[int]) -> list[int]:
+        rates = [self._estimate(m).rate for m in members]
+        return self.cost.choose(rates, caps)
+
+    def update(self, member: int, drafted: int, accepted: int) -> None:
+        if drafted:
+            self._estimate(member).observe(accepted, drafted)
+
+    def forget(self, member: int) -> None:
+        self.estimates.pop(member, None)
+
+    def _estimate(self, member: int) -> AcceptanceEstimate:
+        if member not in self.estimates:
+            self.estimates[member] = AcceptanceEstimate(ACCEPTANCE_PRIOR, PRIOR_TRIALS,
+                                                        ACCEPTANCE_MEMORY)
+        return self.estimates[member]
+
+
+def measure_batch_curve(runtime: BatchRuntime, vocab_size: int,
+                        sizes: tuple[int, ...] = BATCH_CURVE_SIZES,
+                        members: int = CURVE_MEMBERS, context: int = CURVE_CONTEXT,
+                        reps: int = CURVE_REPS, warmup: int = CURVE_WARMUP) -> ForwardCurve:
+    """Seconds of one pass over n rows, its rows spread over min(n, members) sequences that
+    each hold `context` tokens, for each n in `sizes` (the fastest of `reps` passes, in
+    rounds over all sizes, `warmup` untimed rounds first). Its sequences are released after."""
+    sizes = tuple(sorted(set(sizes)))
+    context = max(1, min(context, runtime.capacity - sizes[-1]))
+    filler = torch.Generator().manual_seed(FILLER_SEED)
+    ids = torch.randint(vocab_size, (context + sizes[-1],), generator=filler)
+    seqs = [runtime.add(context + sizes[-1]) for _ in range(members)]
+    try:
+        runtime.forward(PackedBatch.of([(s, ids[:context]) for s in seqs], last_only=True))
+        times: list[list[float]] = [[] for _ in sizes]
+        for rep in range(warmup + reps):
+            for i, n in enumerate(sizes):
+                used = seqs[:min(n, members)]
+                split = [n // len(used) + (j < n % len(used)) for j in range(len(used))]
+                batch = PackedBatch.of([(s, ids[context:context + t])
+                                        for s, t in zip(used, split, strict=True)])
+                start = perf_counter()
+                runtime.forward(batch)
+                elapsed = perf_counter() - start
+                for s in used:
+                    runtime.truncate(s, context)
+                if rep >= warmup:
+                    times[i].append(elapsed)
+    finally:
+        for s in seqs:
+            runtime.release(s)
+    # timing noise must not make a larger pass look cheaper than a smaller one
+    return ForwardCurve(sizes, tuple(accumulate((min(t) for t in times), max)))

@@ -1,0 +1,80 @@
+"""Draft lengths chosen for a whole batch: on hand-made cost curves, speculation fills spare
+compute and shrinks as the batch fills; under any choice the batch stays lossless.
+
+Properties: a flat verify curve (memory-bound: a pass costs the same at any rows) drafts
+every member to its cap when drafts are accepted; a linear one (compute-bound: each row costs
+a token's pass) drafts nothing; on a curve that is flat up to R rows then linear, the total
+of the chosen draft tokens stays within the flat part and shrinks to 0 as the batch grows
+past R; a costly draft round drafts less; a member that is rarely accepted gets less than one
+that is; the calibration pass leaves the runtime's pool as it found it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_model
+
+from forerun.batch_engine import run_to_completion
+from forerun.batch_policy import BatchCost, BatchCostPolicy, measure_batch_curve
+from forerun.profile import ForwardCurve
+from forerun.runtime.batch import BatchTorchRuntime
+from forerun.runtime.torch_model import TorchRuntime
+
+FLAT = ForwardCurve((1, 1000), (0.1, 0.1))
+LINEAR = ForwardCurve((1, 1000), (0.1, 100.0))
+KNEE = ForwardCurve((1, 16, 1000), (0.1, 0.1, 0.1 * 1000 / 16))  # flat to 16 rows, then linear
+
+
+def test_a_flat_curve_drafts_everyone_to_the_cap_and_a_linear_one_nobody():
+    assert BatchCost(FLAT).choose([0.8] * 4, [5, 3, 5, 0]) == [5, 3, 5, 0]
+    assert BatchCost(LINEAR).choose([0.8] * 4, [5] * 4) == [0] * 4
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 12, 16, 24])
+def test_speculation_shrinks_as_the_batch_fills(batch):
+    ks = BatchCost(KNEE).choose([0.7] * batch, [8] * batch)
+    assert batch + sum(ks) <= 16 or sum(ks) == 0
+    if batch >= 16:
+        assert sum(ks) == 0
+    if batch <= 4:
+        assert sum(ks) >= min(16 - batch, 8 * batch) - 2  # spare rows are used
+
+
+def test_draft_cost_and_low_acceptance_draft_less():
+    free = BatchCost(FLAT).choose([0.8, 0.8], [6, 6])
+    costly = BatchCost(FLAT, draft_round=lambda m: 0.02 + 0.0 * m).choose([0.8, 0.8], [6, 6])
+    assert sum(costly) < sum(free)
+    ks = BatchCost(KNEE).choose([0.9, 0.2, 0.9], [8, 8, 8])
+    assert ks[1] < ks[0] and ks[1] < ks[2]
+
+
+def test_the_policy_learns_each_member_s_acceptance():
+    policy = BatchCostPolicy(BatchCost(KNEE))
+    for _ in range(20):
+        policy.update(1, 4, 4)  # member 1: everything accepted
+        policy.update(2, 4, 0)  # member 2: nothing
+    ks = policy.choose([1, 2], [8, 8])
+    assert ks[0] > ks[1]
+    policy.forget(2)
+    assert 2 not in policy.estimates
+
+
+def test_batched_greedy_stays_lossless_under_the_batch_policy_and_drafts():
+    from test_batch_engine import MIX, PROMPTS, _batch_runtime, _member, _solo, _tokens
+
+    runtime = _batch_runtime()
+    seqs = [_member(m, k, PROMPTS[p], n) for m, k, p, n in MIX]
+    run_to_completion(runtime, seqs, lengths=BatchCostPolicy(BatchCost(KNEE)))
+    for seq, (method, _k, p, n) in zip(seqs, MIX, strict=True):
+        assert [t for s in seq.steps for t in s.tokens] == _solo(PROMPTS[p], n)
+        if method != "none":
+            assert sum(s.drafted for s in seq.steps) > 0, method
+    assert _tokens(seqs[0])
+
+
+def test_the_calibration_curve_is_monotone_and_leaves_the_pool_empty():
+    runtime = BatchTorchRuntime(TorchRuntime(tiny_model(0), capacity=256), 1 << 21)
+    curve = measure_batch_curve(runtime, 64, sizes=(1, 4, 16), members=4, context=20, reps=1)
+    assert curve.sizes == (1, 4, 16)
+    assert all(b >= a for a, b in zip(curve.seconds, curve.seconds[1:], strict=False))
+    assert runtime.pool.live == 0 and runtime.pool.free_slots == runtime.pool.slots
