@@ -65,7 +65,9 @@ SMALL = Shapes(target=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 PROMPT_TOKENS = 200
 EQUALITY_TOKENS = 64  # greedy tokens compared per check
-CURVE_REPS, CURVE_WARMUP = 20, 3
+CURVE_REPS, CURVE_WARMUP = 20, 3  # timed and untimed passes per size
+# small: a smoke test of every path, not a measurement
+SMALL_EQUALITY_TOKENS, SMALL_CURVE_REPS, SMALL_CURVE_WARMUP = 16, 2, 1
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,15 @@ class GpuCheckConfig:
     max_tokens: int = 128  # decode-speed tokens
     k: int = 4
     precisions: tuple[str, ...] = ("bfloat16", "int8")  # head drafting precisions timed
-    small: bool = False
+    small: bool = False  # tiny shapes, short checks, few timed passes
+
+    @property
+    def equality_tokens(self) -> int:
+        return SMALL_EQUALITY_TOKENS if self.small else EQUALITY_TOKENS
+
+    @property
+    def curve_passes(self) -> tuple[int, int]:  # (timed, untimed) per size
+        return (SMALL_CURVE_REPS, SMALL_CURVE_WARMUP) if self.small else (CURVE_REPS, CURVE_WARMUP)
 
 
 def random_runtime(shape: dict, vocab: int, dtype: torch.dtype, device: str, capacity: int,
@@ -163,19 +173,19 @@ def _equal(target, prompt, ref, out) -> dict:
 def check_equality(cfg: GpuCheckConfig, shapes: Shapes, prompt: list[int],
                    report: Callable[[str], None]) -> dict:
     """Section 1: greedy equality in float32, every check a row."""
-    dev, k, head = cfg.device, cfg.k, shapes.head
+    dev, k, head, n = cfg.device, cfg.k, shapes.head, cfg.equality_tokens
     t32 = random_runtime(shapes.target, shapes.vocab, torch.float32, dev, 1024, seed=0)
     d32 = random_runtime(shapes.draft, shapes.vocab, torch.float32, dev, 1024, seed=1)
-    ref, _, _ = decode(t32, None, prompt, EQUALITY_TOKENS, 0)
+    ref, _, _ = decode(t32, None, prompt, n, 0)
     results = {}
-    ref_eager, _, _ = decode(eager(t32), None, prompt, EQUALITY_TOKENS, 0)
+    ref_eager, _, _ = decode(eager(t32), None, prompt, n, 0)
     results["graphs vs eager, plain"] = _equal(eager(t32), prompt, ref_eager, ref)
     s32 = spanned(t32)
-    ref_spans, _, _ = decode(s32, None, prompt, EQUALITY_TOKENS, 0)
+    ref_spans, _, _ = decode(s32, None, prompt, n, 0)
     results["spans vs whole cache, plain"] = _equal(t32, prompt, ref, ref_spans)
     for name, make in (("self", lambda: DraftModelProposer(s32.fork(), shapes.vocab)),
                        ("eagle-tree8", lambda: head_proposer("eagle", s32, "float32", 8, head))):
-        out, _, _ = decode(s32, make(), prompt, EQUALITY_TOKENS, k)
+        out, _, _ = decode(s32, make(), prompt, n, k)
         results[f"spans {name}"] = _equal(s32, prompt, ref_spans, out)
     checks: dict[str, Callable] = {
         "draft": lambda: DraftModelProposer(d32, shapes.vocab),
@@ -193,14 +203,14 @@ def check_equality(cfg: GpuCheckConfig, shapes: Shapes, prompt: list[int],
     checks["eagle-tree8-levels"] = lambda: head_proposer("eagle", t32, "float32", 8, head,
                                                          graphs="levels")
     checks["eagle3-auto16"] = lambda: head_proposer("eagle3", t32, "float32", AUTO_TREE, head)
-    checks["eagle-tree8-reused"] = lambda: reused_eagle(t32, prompt, k, head)
+    checks["eagle-tree8-reused"] = lambda: reused_eagle(t32, prompt, k, head, n)
     for name, make in checks.items():
         try:
             proposer = make()
         except Exception as e:  # e.g. a kernel this torch build lacks on the device
             results[name] = {"error": repr(e)}
             continue
-        out, _, _ = decode(t32, proposer, prompt, EQUALITY_TOKENS, 16 if "16" in name else k)
+        out, _, _ = decode(t32, proposer, prompt, n, 16 if "16" in name else k)
         results[name] = _equal(t32, prompt, ref, out)
     for name, r in results.items():
         report(f"greedy equality fp32 {name:28s} "
@@ -208,12 +218,13 @@ def check_equality(cfg: GpuCheckConfig, shapes: Shapes, prompt: list[int],
     return results
 
 
-def reused_eagle(target: TorchRuntime, prompt: list[int], k: int, head: dict) -> HeadProposer:
+def reused_eagle(target: TorchRuntime, prompt: list[int], k: int, head: dict,
+                 n: int) -> HeadProposer:
     """A second EAGLE proposer for the same target and heads, as a server's next request gets
-    it: after a whole decode with the first, it takes over that one's cache and graphs."""
+    it: after a whole decode of n tokens with the first, it takes over that one's cache and
+    graphs."""
     heads = random_heads("eagle", target, "float32", head)
-    decode(target, head_proposer("eagle", target, "float32", 8, head, heads=heads), prompt,
-           EQUALITY_TOKENS, k)
+    decode(target, head_proposer("eagle", target, "float32", 8, head, heads=heads), prompt, n, k)
     return head_proposer("eagle", target, "float32", 8, head, heads=heads)
 
 
@@ -234,7 +245,8 @@ def gpu_check(cfg: GpuCheckConfig, report: Callable[[str], None] = print) -> dic
     draft = random_runtime(shapes.draft, shapes.vocab, dtype, dev, 2048, seed=1)
     runtimes = {"target": target, "target eager": eager(target), "draft": draft,
                 "draft eager": eager(draft), "target spans": spanned(target)}
-    curves = {role: measure_forward_curve(rt, SIZES, reps=CURVE_REPS, warmup=CURVE_WARMUP)
+    reps, warmup = cfg.curve_passes
+    curves = {role: measure_forward_curve(rt, SIZES, reps=reps, warmup=warmup)
               for role, rt in runtimes.items()}
     results["curves"] = {role: c.to_dict() for role, c in curves.items()}
     t1 = curves["target"].seconds[0]
