@@ -328,6 +328,11 @@ class Engine:
                            GenerationStats.from_steps(spec.method, k, start, q.steps),
                            prompt_tokens=len(q.prompt)) for q in seqs]
 
+    def kv_peak_bytes(self, reset: bool = False) -> int:
+        """The most KV-cache bytes batched decoding reserved at once (target and draft) since
+        the last reset."""
+        return sum(rt.kv_peak_bytes(reset) for rt in self._batches.values())
+
     def _batch_curve(self, runtime: BatchRuntime) -> ForwardCurve:
         """Seconds of a pass over n rows of a batched runtime, measured at its first use."""
         if id(runtime) not in self._batch_curves:

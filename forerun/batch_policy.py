@@ -112,7 +112,7 @@ def measure_batch_curve(runtime: BatchRuntime, vocab_size: int,
     """Seconds of one pass over n rows, its rows spread over min(n, members) sequences that
     each hold `context` tokens, for each n in `sizes` (the fastest of `reps` passes, in
     rounds over all sizes, `warmup` untimed rounds first). Its sequences are released after."""
-    sizes = tuple(sorted(set(sizes)))
+    sizes = tuple(sorted({min(n, runtime.capacity - 1) for n in sizes}))
     context = max(1, min(context, runtime.capacity - sizes[-1]))
     filler = torch.Generator().manual_seed(FILLER_SEED)
     ids = torch.randint(vocab_size, (context + sizes[-1],), generator=filler)

@@ -23,8 +23,8 @@ from rich.markup import escape
 from rich.table import Table
 from tqdm import tqdm
 
-from forerun.api import Engine, LoadConfig, head_precision, heads_device
-from forerun.bench import report
+from forerun.api import DEFAULT_KV_BUDGET_BYTES, Engine, LoadConfig, head_precision, heads_device
+from forerun.bench import report, throughput
 from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
 from forerun.bench.runner import BenchConfig, run_bench, runs_per_prompt
 from forerun.bench.workloads import BUILTIN, Prompt, sample_workloads
@@ -47,9 +47,12 @@ def add_parser(sub) -> None:
         "each prompt, side by side in one process, and report speedups per category: a table "
         "on stdout, results.json and bench.png in --out, and one JSON summary as the last "
         "stdout line. curve: measure the forward time over 1..32 new tokens at a ~200-token "
-        "context for the target (and draft), as a table, verify_curve.json and a plot.")
-    b.add_argument("mode", nargs="?", choices=["methods", "curve"], default="methods",
-                   help="what to measure")
+        "context for the target (and draft), as a table, verify_curve.json and a plot. "
+        "throughput: offline batches of --batches prompts decoded together (generate_batch) "
+        "under each of --modes, the first of --methods and --ks drafting: total and "
+        "per-sequence tok/s, peak KV memory, the chosen k; throughput.json/.md/.png.")
+    b.add_argument("mode", nargs="?", choices=["methods", "curve", "throughput"],
+                   default="methods", help="what to measure")
     b.add_argument("--workload", action="append", default=None,
                    help=f"{' or '.join(BUILTIN)} or a JSONL file, optionally NAME:N for N "
                         "prompts per category of it (repeatable; default: spec_bench and "
@@ -76,6 +79,14 @@ def add_parser(sub) -> None:
                         "--peers alone = all")
     b.add_argument("--out", default=DEFAULT_OUT, help="folder for results.json and the plot")
     b.add_argument("--json", action="store_true", help="print only the JSON summary")
+    t = b.add_argument_group("throughput")
+    t.add_argument("--batches", default=",".join(map(str, throughput.BATCH_SIZES)),
+                   help="comma-separated batch sizes (prompts decoded together)")
+    t.add_argument("--modes", default=",".join(throughput.MODES),
+                   help="comma-separated: off (plain batching), fixed (k each), cost (every "
+                        "member's k chosen together from the cost of a pass of n rows)")
+    t.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET_BYTES / 2**30,
+                   metavar="GIB", help="KV-cache memory per model, GiB")
     add_model_args(b)
     b.set_defaults(func=run)
 
@@ -96,13 +107,15 @@ def run(args) -> int:
     cfg.cells()  # validates method names and k before anything loads
     load = load_config(args)
     curve = args.mode == "curve"
-    wants_draft = curve or "draft" in cfg.methods
+    wants_draft = curve or "draft" in cfg.methods[:1 if args.mode == "throughput" else None]
     with Console(stderr=True).status(f"loading {args.target}"):
         engine = Engine(args.target, args.draft if wants_draft else None,
                         spec=SpecConfig("draft" if wants_draft else "none"), load=load)
     meta = _meta(args, load)
     if curve:
         return _verify_curve(engine, args, out, meta, console)
+    if args.mode == "throughput":
+        return _throughput(engine, args, out, meta, console)
 
     prompts = _fitting(engine, sample_workloads(args.workload or list(BUILTIN),
                                                 args.limit or None, args.seed), cfg)
@@ -133,6 +146,49 @@ def run(args) -> int:
     report.plot(out / "bench.png", cells, title)
     console.print(f"wrote {out / 'results.json'}, results.md and bench.png")
     print(json.dumps(report.summary(cells, ceilings) | {"results": str(out / "results.json")}))
+    return 0
+
+
+def _throughput(engine: Engine, args, out: Path, meta: dict, console: Console) -> int:
+    batches, modes = _csv(args.batches, int), _csv(args.modes)
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--batches must be positive integers, got {args.batches!r}")
+    for mode in modes:
+        throughput.spec_of(mode, _csv(args.methods)[0], 1)  # a bad mode fails here
+    method, k = _csv(args.methods)[0], _csv(args.ks, int)[0]
+    cfg = BenchConfig(methods=(method,), ks=(k,), max_tokens=args.max_tokens)
+    prompts = _fitting(engine, sample_workloads(args.workload or ["spec_bench"],
+                                                args.limit or None, args.seed), cfg)
+    messages = [list(p.messages) for p in prompts]
+    budget = int(args.kv_budget * 2**30)
+    with tqdm(total=len(batches) * len(modes), desc="throughput", unit="cell",
+              file=sys.stderr) as bar:
+        def tick(cell):
+            bar.set_postfix_str(f"batch {cell.batch} {cell.mode}", refresh=False)
+            bar.update()
+
+        cells = throughput.run_throughput(engine, messages, modes, method, k, batches,
+                                          args.max_tokens, budget, on_cell=tick)
+    title = (f"forerun bench throughput: {Path(str(args.target)).name} ({meta['runtime']}, "
+             f"{meta['dtype']}), {method} k={k}, {len(prompts)} prompts, "
+             f"{args.max_tokens} new tokens")
+    table = Table(title=title, title_justify="left")
+    for col in throughput.COLUMNS:
+        table.add_column(col, justify="right")
+    for row in throughput.rows(cells):
+        table.add_row(*row)
+    console.print(table)
+    (out / "throughput.json").write_text(json.dumps(
+        {"meta": meta | {"method": method, "k": k, "prompts": len(prompts),
+                         "max_tokens": args.max_tokens, "kv_budget_gib": args.kv_budget},
+         "cells": [asdict(c) for c in cells]}, indent=1))
+    (out / "throughput.md").write_text(throughput.markdown(cells, title))
+    throughput.plot(out / "throughput.png", cells, title)
+    console.print(f"wrote {out / 'throughput.json'}, throughput.md and throughput.png")
+    print(json.dumps({"cells": [{"mode": c.mode, "batch": c.batch,
+                                 "total_tok_s": round(c.total_tok_s, 2),
+                                 "speedup": round(c.speedup, 3)} for c in cells],
+                      "results": str(out / "throughput.json")}))
     return 0
 
 

@@ -83,7 +83,7 @@ class PooledDraft:
     def prefill(self, prompt: list[int]) -> None:
         """Reserve the member's region; the prompt is fed at its first draft round."""
         self.group.release(self)
-        self.handle = self.group.runtime.add(self.slots)
+        self.handle = self.group.runtime.add(min(self.slots, self.group.runtime.capacity))
 
     def propose(self, tokens, k, sampling, generator) -> Draft:
         return self.group.propose([DraftRequest(self, tokens, k, sampling, generator)])[0]

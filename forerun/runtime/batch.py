@@ -124,6 +124,11 @@ class BatchRuntime(Protocol):
 
     def truncate(self, seq: int, length: int) -> None: ...
 
+    def kv_peak_bytes(self, reset: bool = False) -> int:
+        """The most KV-cache bytes reserved at once since the last reset (`reset`: start a
+        new high-water mark after reading this one)."""
+        ...
+
     def forward(self, batch: PackedBatch, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """One pass over every member -> logits [R, V] of batch.logit_rows (every row when
         None), on the CPU, and hidden states layer -> [N, D]."""
@@ -155,6 +160,7 @@ class CachePool:
         self._free: list[tuple[int, int]] = [(0, self.slots)]  # (start, size), by start
         self._regions: dict[int, Region] = {}
         self._next = 0
+        self.peak_slots = 0  # high-water mark of reserved slots
 
     def allocate(self, tokens: int) -> int:
         """A new sequence that can cache up to `tokens` tokens -> its handle; PoolFull if no
@@ -166,6 +172,7 @@ class CachePool:
                 self._free[i:i + 1] = [(start + tokens, size - tokens)] if size > tokens else []
                 handle, self._next = self._next, self._next + 1
                 self._regions[handle] = Region(start, tokens)
+                self.peak_slots = max(self.peak_slots, self.slots - self.free_slots)
                 return handle
         raise PoolFull(f"no free cache region of {tokens} slots "
                        f"({self.free_slots} of {self.slots} slots free, fragmented)")
@@ -241,6 +248,12 @@ class BatchTorchRuntime:
             self.pool.k[:, :, dst] = self.pool.k[:, :, src]  # [L, Hkv, n, hd]
             self.pool.v[:, :, dst] = self.pool.v[:, :, src]
         r.length = base + len(rows)
+
+    def kv_peak_bytes(self, reset: bool = False) -> int:
+        peak = self.pool.peak_slots * self.pool.bytes_per_token
+        if reset:
+            self.pool.peak_slots = self.pool.slots - self.pool.free_slots
+        return peak
 
     def truncate(self, seq: int, length: int) -> None:
         r = self.pool.region(seq)

@@ -1,0 +1,54 @@
+"""`forerun bench throughput` on tiny models: every mode at every batch size, the files it
+writes, and every cell's greedy output identical to plain batching's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
+
+from forerun.bench.throughput import ThroughputCell, markdown, rows, spec_of
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root, tokens = tmp_path_factory.mktemp("throughput_models"), byte_tokens()
+    for name in ("target", "draft"):
+        write_hf_dir(root / name, random_hf_weights(len(tokens), 0), tokens)
+    return root
+
+
+def test_throughput_bench_writes_every_cell_and_stays_identical(tiny_dirs, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "forerun.cli", "bench", "throughput", "--target",
+         str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft"), "--dtype", "float32",
+         "--draft-dtype", "float32", "--workload", "spec_bench:1", "--limit", "1",
+         "--batches", "1,3", "--modes", "off,fixed,cost", "--methods", "draft", "--ks", "3",
+         "--max-tokens", "6", "--out", str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.splitlines()[-1])
+    assert [(c["mode"], c["batch"]) for c in summary["cells"]] == [
+        ("off", 1), ("fixed", 1), ("cost", 1), ("off", 3), ("fixed", 3), ("cost", 3)]
+    saved = json.loads((tmp_path / "throughput.json").read_text())
+    assert all(c["identical"] == 1.0 for c in saved["cells"])
+    assert all(c["total_tok_s"] > 0 and c["peak_kv_bytes"] > 0 for c in saved["cells"])
+    fixed = [c for c in saved["cells"] if c["mode"] == "fixed"]
+    assert all(c["chosen_k"] > 0 for c in fixed)
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    assert "| forerun | cost | 3 |" in (tmp_path / "throughput.md").read_text()
+
+
+def test_modes_and_rows():
+    assert spec_of("off", "draft", 4).method == "none"
+    assert spec_of("cost", "ngram", 4).policy == "cost"
+    with pytest.raises(ValueError, match="unknown mode"):
+        spec_of("turbo", "draft", 4)
+    cell = ThroughputCell("forerun", "fixed", 8, 40.0, 5.0, 2.0, 80, 2.5, 3 << 20, 1 << 30,
+                          1.5, 1.0)
+    assert rows([cell]) == [("forerun", "fixed", "8", "40.0", "5.00", "1.50x", "2.50", "3",
+                             "1.00")]
+    assert "| forerun | fixed | 8 |" in markdown([cell], "t")
