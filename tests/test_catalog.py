@@ -51,6 +51,7 @@ def test_pull_assembles_in_order_and_checks_sha(fake_model):
     assert path.read_bytes() == GOOD
     assert calls == ["fake-part0", "fake-part1", "fake-part2"]
     assert not list(path.parent.glob("*.partial"))
+    assert path.stat().st_mode & 0o044 == 0o044  # readable by others, as files the umask allows
 
 
 def test_second_pull_is_a_no_op(fake_model):

