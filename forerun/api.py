@@ -182,7 +182,7 @@ class Engine:
     def _attach(self, target, tokenizer, draft, spec, heads=None) -> None:
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
         self.heads = heads
-        self._batches: dict[tuple[str, int], BatchTorchRuntime] = {}  # (role, budget) -> view
+        self._batches: dict[tuple[str, int], BatchRuntime] = {}  # (role, budget) -> view
         self._batch_curves: dict[int, ForwardCurve] = {}  # id(batched view) -> its pass costs
 
     def warm_up(self) -> int:
@@ -340,16 +340,28 @@ class Engine:
                                                                   self.target.config.vocab_size)
         return self._batch_curves[id(runtime)]
 
-    def _batch_runtime(self, role: str, runtime: Runtime, budget: int) -> BatchTorchRuntime:
+    def _batch_runtime(self, role: str, runtime: Runtime, budget: int) -> BatchRuntime:
         """The batched view of the target or the draft (kept: its pool is reused)."""
-        if not isinstance(runtime, TorchRuntime):
-            raise ModelError("batched decoding runs on the torch runtime so far; use --runtime "
-                             "torch")
         key = (role, budget)
         if key not in self._batches:
-            self._batches = {key: BatchTorchRuntime(runtime, budget)} | {
+            self._batches = {key: _batched(runtime, budget)} | {
                 other: rt for other, rt in self._batches.items() if other[0] != role}
         return self._batches[key]
+
+
+def _batched(runtime: Runtime, budget: int) -> BatchRuntime:
+    """A runtime's many-sequence view, its KV cache sized by `budget` bytes."""
+    if isinstance(runtime, TorchRuntime):
+        return BatchTorchRuntime(runtime, budget)
+    try:  # llama.cpp is optional: its runtime exists only where llama-cpp-python does
+        from forerun.runtime.llama_batch import BatchLlamaRuntime
+        from forerun.runtime.llama_cpp import LlamaCppRuntime
+    except ImportError:
+        LlamaCppRuntime = None
+    if LlamaCppRuntime is None or not isinstance(runtime, LlamaCppRuntime):
+        raise ModelError("batched decoding runs on the torch and llama.cpp runtimes")
+    return BatchLlamaRuntime.with_budget(runtime, budget)
+
 
 def _find_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:
     """Where the earliest stop string begins in `text`, searching only unsent text."""

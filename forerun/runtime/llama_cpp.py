@@ -276,17 +276,17 @@ class LlamaCppRuntime:
                 "threads": self._threads, "batch": self.batch_size, "gpu": self._gpu,
                 "capacity": self._capacity, "cpu": _cpu_name(), "libs": _library_stamp()}
 
-    def _open_context(self) -> None:
-        """A llama.cpp context (the KV cache: sequence SEQ, and a tree pass's others) and its
-        batches, all empty."""
+    def _open_context(self, n_seq: int = MAX_TREE_LEAVES) -> None:
+        """A llama.cpp context (the KV cache: sequence SEQ, and a tree pass's others; `n_seq`
+        sequence ids in all) and its batches, all empty."""
         cparams = C.llama_context_default_params()
         cparams.n_ctx = self._capacity
         cparams.n_batch = cparams.n_ubatch = self.batch_size
-        cparams.n_seq_max = MAX_TREE_LEAVES
+        cparams.n_seq_max = n_seq
         cparams.kv_unified = True  # one cache, shared by the sequences of a tree pass
         # llama.cpp reserves an output row per sequence and aborts the process (GGML_ASSERT)
         # when its output buffer, by default min(n_batch, n_ctx) rows, is smaller
-        cparams.n_outputs_max = max(min(self.batch_size, self._capacity), MAX_TREE_LEAVES)
+        cparams.n_outputs_max = max(min(self.batch_size, self._capacity), n_seq)
         cparams.n_threads = cparams.n_threads_batch = self._threads
         self._ctx = C.llama_init_from_model(self._model, cparams)
         if not self._ctx:
@@ -597,6 +597,11 @@ class LlamaCppRuntime:
         self._tokens[:n] = ids
         self._outputs[:n - rows] = 0
         self._outputs[n - rows:n] = 1
+        self._run(batch, n, start)
+
+    def _run(self, batch, n: int, start: int) -> None:
+        """llama_decode of the first n rows of `batch` (tokens, positions, sequences and output
+        flags filled in); llama.cpp's refusals become our errors."""
         batch.n_tokens = n
         _errors.clear()
         code = C.llama_decode(self._ctx, batch)
