@@ -36,15 +36,19 @@ MAX_FEED = 6  # the longest verify pass (k+1 rows)
 GHOST_SLOTS = 20
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def _kquant_model(folder, seed: int = 0):
     tokens = byte_tokens()[:-len(SPECIAL)]
     tokens = [*tokens, "ab", *[f"<x{i}>" for i in range(-(len(tokens) + 1 + len(SPECIAL)) % 32)],
               *SPECIAL]
-    path = tmp_path_factory.mktemp("kquant") / "kquant.gguf"
-    write_gguf(path, random_kquant_weights(len(tokens), DIM, LAYERS, FFN), tokens,
+    path = folder / f"kquant{seed}.gguf"
+    write_gguf(path, random_kquant_weights(len(tokens), DIM, LAYERS, FFN, seed), tokens,
                merges=["a b"], shape=(DIM, LAYERS, HEADS, HEADS, FFN), context=CONTEXT)
     return open_model(str(path))
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return _kquant_model(tmp_path_factory.mktemp("kquant"))
 
 
 @pytest.fixture(scope="module")
@@ -194,11 +198,15 @@ def _greedy_batch_equals_solo(engine, prompts, max_tokens, methods, **kw):
         got = engine.generate_batch(prompts, max_tokens=max_tokens, spec=spec,
                                     kv_budget_bytes=1 << 22, **kw)
         assert [c.token_ids for c in got] == solo, method
+        assert method == "none" or sum(c.stats.drafted for c in got) > 0, method
     return solo
 
 
-def test_greedy_generate_batch_on_llama_cpp_equals_solo_plain(source, solo):
-    draft = source.load(runtime="llama.cpp", context=CONTEXT)
+@pytest.mark.parametrize("draft_seed", [0, 1])  # the target itself (all accepted); another
+def test_greedy_generate_batch_on_llama_cpp_equals_solo_plain(source, solo, tmp_path,
+                                                              draft_seed):
+    draft = (source if draft_seed == 0 else _kquant_model(tmp_path, draft_seed)).load(
+        runtime="llama.cpp", context=CONTEXT)
     engine = Engine.from_runtimes(solo, source.tokenizer, draft)
     prompts = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [10, 20, 30, 40, 50, 60], [7, 7, 8],
                [5, 4, 3, 2, 1, 5, 4, 3, 2, 1, 5, 4], [33] * 9]
