@@ -3,9 +3,9 @@ over both (the seam the batch-first engine is built on).
 
 Owns: `PackedBatch`, the whole contract of one batched pass (vLLM's `SpecDecodeMetadata` is the
 model: flattened tokens, per-member offsets, positions, tree masks, and the rows whose logits
-are wanted); `CachePool`, KV memory for many sequences sized by a byte budget; `Capabilities`,
-what a runtime can do, declared once; and `BatchTorchRuntime`, which runs a packed batch
-through our Transformer.
+are wanted); `CachePool`, KV memory for many sequences sized by a byte budget; and
+`BatchTorchRuntime`, which runs a packed batch through our Transformer. (`Capabilities`, what a
+runtime can do, lives in `runtime.base` and is imported from here too.)
 
 The pool hands each sequence one contiguous region of cache slots, reserved at admission for
 what it can ever hold (prompt + new tokens + one verify pass of slack), from one buffer per
@@ -31,26 +31,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
-from forerun.runtime.base import ForwardOutput
-from forerun.runtime.torch_model import TorchRuntime, rms_norm, rope_tables
+from forerun.runtime.base import Capabilities, ForwardOutput
+from forerun.runtime.torch_model import TorchRuntime, attend, rms_norm, rope_tables
 
 
 class PoolFull(RuntimeError):
     """The cache pool has no free region large enough: queue the request, or refuse it."""
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a runtime can do, declared once (never probed with getattr)."""
-
-    hidden_layers: bool = False  # returns block outputs and the final normed state per row
-    reduced_vocab: bool = False  # logits over a kept subset of the vocabulary (limit_vocab)
-    cuda_graphs: bool = False  # replays static decode passes as CUDA graphs
-    tree_masks: bool = True  # a member may verify a token tree in the pass
-    hidden_costs_logits: bool = False  # a hidden row costs an LM-head row (llama.cpp)
-    max_batch: int = 0  # most sequences in one pass (0 = as many as the pool holds)
 
 
 @dataclass(frozen=True)
@@ -215,8 +202,7 @@ class BatchTorchRuntime:
         self.cos, self.sin = runtime.cos, runtime.sin
         if self.cos.shape[0] < self.capacity:  # RoPE tables for every position a member uses
             self.cos, self.sin = rope_tables(cfg, self.capacity, runtime.dtype, runtime.device)
-        self.capabilities = Capabilities(hidden_layers=True, reduced_vocab=False,
-                                         cuda_graphs=False, tree_masks=True)
+        self.capabilities = Capabilities(hidden_layers=True, final_hidden=True)
 
     # --- sequences ------------------------------------------------------------------------
 
@@ -306,9 +292,7 @@ class BatchTorchRuntime:
             T = rows.stop - rows.start
             kc[:, s:s + T], vc[:, s:s + T] = k[:, rows], v[:, rows]
             keys, values = kc[:, r.start:s + T], vc[:, r.start:s + T]  # [Hkv, S_b, hd]
-            outs.append(F.scaled_dot_product_attention(
-                q[:, rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=masks[b], enable_gqa=True))  # [1, H, T_b, hd]
+            outs.append(attend(q[:, rows], keys, values, masks[b], layer.invariant))  # [1,H,T_b,hd]
         return layer.finish(x, torch.cat(outs, dim=2))  # [N, D]
 
     @staticmethod

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forerun.runtime.base import ForwardOutput, ModelConfig
+from forerun.runtime.base import Capabilities, ForwardOutput, ModelConfig
 from forerun.runtime.static import StaticPasses
 
 # Canonical parameter names a loader must provide; "{i}" is the layer index.
@@ -31,6 +31,13 @@ CANONICAL_NAMES = (
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Row-invariant kernels on the CPU (oneDNN): a prepacked linear computes each row of a pass of
+# 2 or more rows to the same bits whatever the other rows, but takes another kernel for one row;
+# SDPA's math kernel gives each query row the same bits from 4 rows on. So with `invariant`, a
+# one-row matmul runs as two rows and fewer than 4 query rows are padded to 4: a token's logits
+# are then the same in a one-token decode step, a verify pass of k+1 and a batch of sequences.
+MIN_MATMUL_ROWS = 2
+MIN_ATTENTION_ROWS = 4
 REFINE_TOP = 8  # candidates whose logits are recomputed in float32
 
 
@@ -78,8 +85,15 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.bias = None if bias is None else bias.detach()
+        self.invariant = False  # pad one row to MIN_MATMUL_ROWS (see above)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant and x.shape[0] < MIN_MATMUL_ROWS:
+            pad = x[-1:].expand(MIN_MATMUL_ROWS - x.shape[0], -1)
+            return self._linear(torch.cat([x, pad]))[: x.shape[0]]
+        return self._linear(x)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -103,10 +117,30 @@ def prepack_linears(model: nn.Module) -> None:
             prepack_linears(child)
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           mask: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
+    """Attention of q [H, T, hd] over keys, values [Hkv, S, hd] (GQA) -> [1, H, T, hd]; mask
+    [T, S] bool or None. `invariant`: fewer than MIN_ATTENTION_ROWS query rows are padded
+    (copies of the last row, with its mask row), so each row's result is the same at any T."""
+    T = q.shape[1]
+    if invariant and T < MIN_ATTENTION_ROWS:
+        pad = MIN_ATTENTION_ROWS - T
+        q = torch.cat([q, q[:, -1:].expand(-1, pad, -1)], dim=1)
+        if mask is None:  # one row attends to every key
+            mask = torch.ones(MIN_ATTENTION_ROWS, keys.shape[1], dtype=torch.bool,
+                              device=q.device)
+        else:
+            mask = torch.cat([mask, mask[-1:].expand(pad, -1)])
+    out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                         attn_mask=mask, enable_gqa=True)  # [1, H, T', hd]
+    return out[:, :, :T]
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.invariant = False  # row-invariant attention (see MIN_ATTENTION_ROWS)
         hd = cfg.head_dim
         self.q_size, self.kv_size = cfg.n_heads * hd, cfg.n_kv_heads * hd
         self.attn_norm = nn.Parameter(torch.ones(cfg.dim))
@@ -123,10 +157,7 @@ class Block(nn.Module):
         k_cache[:, start:start + T] = k
         v_cache[:, start:start + T] = v
         keys, values = k_cache[:, :start + T], v_cache[:, :start + T]  # [Hkv, S, hd]
-        attn = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=mask, enable_gqa=True)  # [1, H, T, hd]
-        return self.finish(x, attn)
+        return self.finish(x, attend(q, keys, values, mask, self.invariant))
 
     def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> q [H, T, hd], k [Hkv, T, hd] (both rotated), v [Hkv, T, hd]."""
@@ -180,13 +211,17 @@ class TorchRuntime:
     """Runtime over our Transformer: one sequence, a static KV cache of `capacity` slots."""
 
     def __init__(self, model: Transformer, capacity: int, prepack: bool | None = None,
-                 static: bool | None = None, spans: bool = False):
+                 static: bool | None = None, spans: bool = False,
+                 invariant: bool | None = None):
         """`prepack`: reorder the weights for oneDNN (default: where it applies, CPU float32 and
         bfloat16); the model is changed in place. `static`: run decode-sized passes in static
         shapes (forerun.runtime.static), replayed as CUDA graphs on a GPU (default: on a GPU
         only; True on the CPU runs them eagerly, for tests). `spans` (experimental, off: not
         yet timed on a GPU): static passes attend over a power-of-two span of the cache
-        instead of all of it (see forerun.runtime.static.span_of)."""
+        instead of all of it (see forerun.runtime.static.span_of). `invariant`: row-invariant
+        kernels (MIN_MATMUL_ROWS, MIN_ATTENTION_ROWS), so a token's logits do not depend on
+        how many rows share its pass (default: on wherever the weights are prepacked, the
+        CPU); set on the model, so its forks and batched views share it."""
         cfg = model.cfg
         self.config, self.model = cfg, model
         param = model.embed.weight
@@ -200,6 +235,8 @@ class TorchRuntime:
             self._head = lambda x: F.linear(x, model.lm_weight())
         self._head_weight = model.lm_weight()  # [V, D]: the rows the head computes
         self._vocab_ids: torch.Tensor | None = None  # [N]: set by limit_vocab
+        self.invariant = self.prepacked if invariant is None else invariant
+        self._set_invariant()
         self._capacity = min(capacity, cfg.context_length)
         shape = (cfg.n_layers, cfg.n_kv_heads, self._capacity, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -210,6 +247,17 @@ class TorchRuntime:
         self._static_on = self.device.type == "cuda" if static is None else static
         self._spans = spans
         self._static = self._new_static()
+        graphs = self._static_on and self.device.type == "cuda"
+        self.capabilities = Capabilities(hidden_layers=True, final_hidden=True,
+                                         reduced_vocab=True, static_passes=self._static_on,
+                                         cuda_graphs=graphs)
+        self.curve = None  # forerun.profile's calibration, at its first use
+
+    def _set_invariant(self) -> None:
+        """Row-invariant kernels on every prepacked linear and attention of the model."""
+        for module in [*self.model.modules(), self._head]:
+            if isinstance(module, PackedLinear | Block):
+                module.invariant = self.invariant
 
     def _new_static(self) -> StaticPasses | None:
         return (StaticPasses(self, graphs=self.device.type == "cuda", spans=self._spans)
@@ -264,6 +312,7 @@ class TorchRuntime:
         twin.k_cache, twin.v_cache = torch.zeros_like(self.k_cache), torch.zeros_like(self.v_cache)
         twin._length = 0
         twin._static = twin._new_static()  # graphs write this cache: the twin records its own
+        twin.curve = None  # its own, measured or shared (forerun.profile.share_curve)
         return twin
 
     def limit_vocab(self, ids) -> None:
@@ -280,6 +329,7 @@ class TorchRuntime:
             raise ValueError(f"vocabulary ids must lie in 0..{self.config.vocab_size - 1}")
         weight = self.model.lm_weight().detach()[ids.to(self.device)].contiguous()  # [N, D]
         self._head = PackedLinear(weight) if self.prepacked else (lambda x: F.linear(x, weight))
+        self._set_invariant()
         self._head_weight, self._vocab_ids = weight, ids.to(self.device)
         self._static = self._new_static()  # recorded passes hold the old head
 
