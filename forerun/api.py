@@ -24,7 +24,7 @@ from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model, resolv
 from forerun.models.tokenizer import IncrementalDecoder, TextTokenizer
 from forerun.policy import POLICIES, FixedK, LengthPolicy
 from forerun.profile import ForwardCurve
-from forerun.propose import PROPOSERS, SpecConfig
+from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.draft_batch import SharedDraftModel
 from forerun.reference import plain_decode
 from forerun.runtime.base import Runtime
@@ -141,7 +141,7 @@ def load_draft(target: ModelSource, draft: ModelSource, load: LoadConfig) -> Run
     runtime = draft.load(dtype=load.draft_dtype, device=load.device, context=load.context,
                          runtime=load.runtime)
     if load.draft_vocab > 0:
-        if not hasattr(runtime, "limit_vocab"):
+        if not runtime.capabilities.reduced_vocab:
             raise ModelError(f"a reduced draft vocabulary needs the torch runtime, not "
                              f"{load.runtime}")
         runtime.limit_vocab(target.tokenizer.frequent_ids(load.draft_vocab))
@@ -165,7 +165,7 @@ class Engine:
             heads = load_heads(load.heads, target_io(target_src, target_rt), target_src.name,
                                load.context, head_precision(load.head_precision,
                                                             heads_device(load)))
-            if load.runtime != "torch" and set(heads.cfg.layers) - {-1}:
+            if not target_rt.capabilities.exposes(heads.cfg.layers):
                 raise ModelError(f"{heads.cfg.kind} heads read target layers "
                                  f"{list(heads.cfg.layers)}; the {load.runtime} runtime exposes "
                                  "only the final one (-1): use --runtime torch")
@@ -182,6 +182,8 @@ class Engine:
     def _attach(self, target, tokenizer, draft, spec, heads=None) -> None:
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
         self.heads = heads
+        # what proposers are built from; its stores are this sequence's (forks get their own)
+        self.proposers = ProposerContext(target, draft, heads, tokenizer)
         self._batches: dict[tuple[str, int], BatchRuntime] = {}  # (role, budget) -> view
         self._batch_curves: dict[int, ForwardCurve] = {}  # id(batched view) -> its pass costs
 
@@ -190,7 +192,7 @@ class Engine:
         every size now, not in a request's first steps; runtimes without them skip it (the
         CPU, llama.cpp). -> sizes recorded."""
         return sum(rt.warm_up() for rt in (self.target, self.draft)
-                   if rt is not None and hasattr(rt, "warm_up"))
+                   if rt is not None and rt.capabilities.static_passes)
 
     def fork(self) -> Engine:
         """An engine over the same weights with KV caches of its own: one more sequence that can
@@ -220,7 +222,7 @@ class Engine:
         if spec.method == "none":
             steps = plain_decode(self.target, ids, sampling, max_tokens, stop_ids, generator)
         else:
-            proposer = PROPOSERS[spec.method](spec, self.target, self.draft, self.heads)
+            proposer = PROPOSERS[spec.method](spec, self.proposers)
             # the cost policy measures forward times at a runtime's first use (see profile.py)
             policy = POLICIES[spec.policy](spec, self.target, proposer.runtime)
             if k_cap is not None:
@@ -298,7 +300,8 @@ class Engine:
             if spec.method != "none":
                 seq.max_k = MAX_BATCH_K if spec.policy == "adaptive" else spec.k
                 seq.proposer = (shared.proposer(len(ids) + budget + seq.max_k + 1) if shared
-                                else PROPOSERS[spec.method](spec, self.target, None, self.heads))
+                                else PROPOSERS[spec.method](spec, ProposerContext(
+                                    self.target, None, self.heads, self.tokenizer)))
                 # the cost policy chooses every member's k together (forerun.batch_policy)
                 seq.policy = (FixedK(spec.k) if spec.policy == "cost" else
                               POLICIES[spec.policy](spec, self.target, seq.proposer.runtime))

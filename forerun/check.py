@@ -275,7 +275,7 @@ def sampling_test(engine: Engine, contexts: Sequence[tuple[str, list[int]]],
     for label, context in contexts:
         # a proposer per context, built before the target is filled (a tree budget of auto
         # measures the target's verify curve, emptying its cache)
-        proposer = PROPOSERS[spec.method](spec, engine.target, engine.draft, engine.heads)
+        proposer = PROPOSERS[spec.method](spec, engine.proposers)
         counts, p, stats = _first_tokens(engine.target, proposer, context, spec.k, sampling,
                                          samples, generator, verifier)
         statistic, df, p_value = chi_square(counts, p)
@@ -296,11 +296,11 @@ def _first_tokens(target: Runtime, proposer, context: list[int], k: int,
     (drafted share, first-accepted share, verify passes)."""
     head, pending = context[:-1], context[-1]
     # 1. The engine's prefill of head, as if it had sampled `pending` (speculative_decode 1.)
-    layers = getattr(proposer, "hidden_layers", ())
+    needs = proposer.needs
     proposer.prefill(head)
-    wanted = layers if getattr(proposer, "prompt_features", True) else ()
+    wanted = needs.hidden_layers if needs.prompt_features else ()
     _, hidden = prefill(target, head, GREEDY, generator, wanted,
-                        getattr(proposer, "hidden_from", 0) if wanted else 0)
+                        needs.hidden_from(len(head)) if wanted else 0)
     if wanted:
         proposer.feed(hidden)
     again = {i: h[-1:] for i, h in hidden.items()}  # head[-1]'s features, fed after each reset

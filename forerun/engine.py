@@ -5,7 +5,8 @@ the target's cache holds every token of the sequence except the last one (the "p
 verification feeds [pending, draft...] in one forward pass, and rollback is a truncate to the
 accepted prefix. A tree draft is verified in the same single pass (tree mask and positions)
 and its cache compacted to the accepted path. Proposers that draft from the target's features
-(heads) name the layers they need and are fed them for every token that enters the cache.
+(heads) name the layers they need in their declared `needs` and are fed them for every token
+that enters the cache.
 Each verify pass is timed and shown to the target's calibrated cost curve, which prices drafts.
 Knows nothing of text: tokens in, tokens out.
 """
@@ -32,14 +33,15 @@ from forerun.verify import greedy_accept, recursive_rejection_sample, rejection_
 def speculative_decode(target: Runtime, proposer: Proposer, policy: LengthPolicy,
                        prompt: list[int], sampling: SamplingConfig, max_new_tokens: int,
                        stop_ids: Collection[int], generator: torch.Generator) -> Iterator[Step]:
-    layers = getattr(proposer, "hidden_layers", ())  # target features a head drafts from
+    needs = proposer.needs  # target features a head drafts from, extra verify rows
+    layers = needs.hidden_layers
     # 1. Prefill: target and proposer see the prompt; the target samples the first token.
     check_prompt(prompt, target.capacity)  # the target's context message, before the drafter's
     proposer.prefill(prompt)
-    wanted = layers if getattr(proposer, "prompt_features", True) else ()
+    wanted = layers if needs.prompt_features else ()
     # the prompt rows whose features it reads (an EAGLE window; Medusa's last row)
     first, hidden = prefill(target, prompt, sampling, generator, wanted,
-                            getattr(proposer, "hidden_from", 0) if wanted else 0)
+                            needs.hidden_from(len(prompt)) if wanted else 0)
     if wanted:
         proposer.feed(hidden)  # features of the cached prompt tokens it reads
     tokens = [*prompt, first]
@@ -47,7 +49,8 @@ def speculative_decode(target: Runtime, proposer: Proposer, policy: LengthPolicy
     emitted = len(out)
     yield Step(out, 0, 0, time.perf_counter(), finish, prefill=True)
     while not finish:
-        room = target.capacity - len(tokens)  # context slots left after the pending token
+        # context slots left after the pending token (and the rows the drafter adds to a pass)
+        room = target.capacity - len(tokens) - needs.extra_rows
         # 2. Propose up to k tokens deep (never more than could be emitted or fit).
         k = max(0, min(policy.next_k(), max_new_tokens - emitted - 1, room))
         draft = proposer.propose(tokens, k, sampling, generator).fit(room)

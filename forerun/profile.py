@@ -7,10 +7,12 @@ k+1 tokens, the draft's curve at one token prices each drafted token.
 
 Invariants: measurement leaves the runtime empty (length 0), so callers must measure before a
 generation, never inside one. `calibrated_curve` measures each runtime object once, at its first
-use, and caches the curve for as long as the runtime lives; that first use pays a few dozen
+use, and keeps the curve in the runtime's own `curve` slot (no cache here: it lives as long as
+the runtime); that first use pays a few dozen
 forward passes (CALIBRATION_REPS + CALIBRATION_WARMUP per size), which the CLI's --compare and
-`forerun bench` spend in their untimed warm-up runs. A runtime with a `calibration_key()` (the
-llama.cpp one: model file, build, threads, machine) also finds and keeps its curve on disk,
+`forerun bench` spend in their untimed warm-up runs. A runtime whose capabilities say
+`curve_on_disk` has a `calibration_key()` (the
+llama.cpp one: model file, build, threads, machine) and also finds and keeps its curve on disk,
 `$FORERUN_HOME/curves/`, for CURVE_MAX_AGE_S: a new process skips those passes (~13 s for the
 default target on 2 cores). FORERUN_CURVE_CACHE=0 turns that off. A stale curve prices drafts
 a little wrong; it never changes what is generated.
@@ -32,7 +34,6 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
-from weakref import WeakKeyDictionary
 
 import torch
 
@@ -176,12 +177,8 @@ class LiveCurve:
 
 def observe_pass(runtime: Runtime, n_tokens: int, seconds: float) -> None:
     """Show the runtime's calibrated curve (if it has one) a timed verify pass."""
-    curve = _curves.get(runtime)
-    if curve is not None:
-        curve.observe(n_tokens, seconds)
-
-
-_curves: WeakKeyDictionary[Runtime, LiveCurve] = WeakKeyDictionary()
+    if runtime.curve is not None:
+        runtime.curve.observe(n_tokens, seconds)
 
 
 def calibration_sizes(max_tokens: int) -> tuple[int, ...]:
@@ -195,26 +192,25 @@ def calibration_sizes(max_tokens: int) -> tuple[int, ...]:
 
 def cached_curve(runtime: Runtime) -> LiveCurve | None:
     """The curve `calibrated_curve` measured for this runtime, if it has."""
-    return _curves.get(runtime)
+    return runtime.curve
 
 
 def share_curve(runtime: Runtime, source: Runtime) -> None:
     """A fork over the source's weights runs at its speed: give it its own LiveCurve over the
     source's calibration, so that its first use measures nothing (the server's slots)."""
-    curve = _curves.get(source)
-    if curve is not None and runtime is not source:
-        _curves[runtime] = LiveCurve(curve.base)
+    if source.curve is not None and runtime is not source:
+        runtime.curve = LiveCurve(source.curve.base)
 
 
 def calibrated_curve(runtime: Runtime, max_tokens: int) -> LiveCurve:
-    """The runtime's curve up to `max_tokens`, measured at its first use and then cached,
-    corrected by the passes the decode loop shows it since (`observe_pass`).
+    """The runtime's curve up to `max_tokens`, measured at its first use and then kept in its
+    `curve` slot, corrected by the passes the decode loop shows it since (`observe_pass`).
 
-    Measures again (and replaces the cached curve, and what it had seen) only when a larger
+    Measures again (and replaces the kept curve, and what it had seen) only when a larger
     size is asked for. Empties the runtime's cache when it measures.
     """
     max_tokens = min(max_tokens, runtime.capacity)
-    curve = _curves.get(runtime)
+    curve = runtime.curve
     if curve is None or curve.sizes[-1] < max_tokens:
         key = _disk_key(runtime)
         curve = _load_curve(key, max_tokens) if key else None
@@ -224,18 +220,17 @@ def calibrated_curve(runtime: Runtime, max_tokens: int) -> LiveCurve:
                                           statistic=min)
             if key:
                 _save_curve(key, curve)
-        curve = _curves[runtime] = LiveCurve(curve)
+        curve = runtime.curve = LiveCurve(curve)
     return curve
 
 
 def _disk_key(runtime: Runtime) -> dict | None:
     """The runtime's key for the disk cache, or None (no key, or FORERUN_CURVE_CACHE=0)."""
-    keyed = getattr(runtime, "calibration_key", None)
-    if keyed is None or os.environ.get("FORERUN_CURVE_CACHE", "1") == "0":
+    if os.environ.get("FORERUN_CURVE_CACHE", "1") == "0" or not runtime.capabilities.curve_on_disk:
         return None
     from forerun import __version__
 
-    return {**keyed(), "forerun": __version__, "reps": CALIBRATION_REPS,
+    return {**runtime.calibration_key(), "forerun": __version__, "reps": CALIBRATION_REPS,
             "context": CALIBRATION_CONTEXT}
 
 

@@ -15,7 +15,7 @@ from conftest import tiny_model
 
 from forerun.batch_engine import Sequence, run_to_completion
 from forerun.policy import POLICIES
-from forerun.propose import PROPOSERS, SpecConfig
+from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.draft_batch import SharedDraftModel
 from forerun.reference import plain_decode
 from forerun.runtime.batch import BatchTorchRuntime, PoolFull
@@ -46,7 +46,7 @@ def _member(method, k, prompt, max_new, *, policy="fixed", sampling=None, seed=0
     target = TorchRuntime(tiny_model(0), capacity=256)  # a solo view for the factories
     draft = TorchRuntime(tiny_model(draft_seed, noise=noise), capacity=256)
     spec = SpecConfig(method, k, policy)
-    proposer = PROPOSERS[method](spec, target, draft)
+    proposer = PROPOSERS[method](spec, ProposerContext(target, draft))
     return Sequence(list(prompt), sampling, max_new, make_generator(seed), (), proposer,
                     POLICIES[policy](spec, target, proposer.runtime), max_k=k)
 

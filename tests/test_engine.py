@@ -9,7 +9,7 @@ from conftest import heads_for, tiny_runtime
 from forerun.engine import speculative_decode
 from forerun.heads import KINDS
 from forerun.policy import POLICIES, FixedK
-from forerun.propose import PROPOSERS, SpecConfig
+from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.reference import plain_decode
 from forerun.sampling import SamplingConfig, make_generator
 from forerun.stopping import ContextError
@@ -34,7 +34,7 @@ def speculative(method, k, policy="fixed", prompt=(), draft_seed=0, max_new=MAX_
     target = tiny_runtime(target_seed, capacity=capacity)
     draft = tiny_runtime(draft_seed, capacity=capacity, noise=noise)
     spec = SpecConfig(method, k, policy)
-    proposer = PROPOSERS[method](spec, target, draft, heads_for(method, target))
+    proposer = PROPOSERS[method](spec, ProposerContext(target, draft, heads_for(method, target)))
     if price is not None:
         price(target, proposer.runtime)
     lengths = POLICIES[policy](spec, target, proposer.runtime)
@@ -77,7 +77,7 @@ def test_disagreeing_draft_still_exact_and_rejects_often():
 def test_draft_equal_to_target_accepts_everything(temperature):
     target, draft = tiny_runtime(0), tiny_runtime(0)
     sampling = SamplingConfig(temperature=temperature)
-    proposer = PROPOSERS["draft"](SpecConfig("draft", 4), target, draft)
+    proposer = PROPOSERS["draft"](SpecConfig("draft", 4), ProposerContext(target, draft))
     steps = list(speculative_decode(target, proposer, FixedK(4), PROMPTS["no-match"],
                                     sampling, 41, (), make_generator(0)))
     verify = steps[1:]
@@ -114,7 +114,7 @@ def test_prompt_longer_than_context_fails_clearly(method):
 def test_seeded_sampling_reproduces():
     def run():
         target, draft = tiny_runtime(0), tiny_runtime(1)
-        proposer = PROPOSERS["draft"](SpecConfig("draft", 3), target, draft)
+        proposer = PROPOSERS["draft"](SpecConfig("draft", 3), ProposerContext(target, draft))
         steps = speculative_decode(target, proposer, FixedK(3), [1, 2, 3],
                                    SamplingConfig(temperature=1.0), 30, (), make_generator(5))
         return [t for s in steps for t in s.tokens]
@@ -172,7 +172,7 @@ def test_reduced_draft_vocabulary_stays_lossless(temperature):
     expected = plain(prompt=PROMPTS["no-match"])
     target, draft = tiny_runtime(0), tiny_runtime(0, noise=0.05)
     draft.limit_vocab(range(32))
-    proposer = PROPOSERS["draft"](SpecConfig("draft", 4), target, draft)
+    proposer = PROPOSERS["draft"](SpecConfig("draft", 4), ProposerContext(target, draft))
     steps = list(speculative_decode(target, proposer, FixedK(4), PROMPTS["no-match"],
                                     SamplingConfig(temperature=temperature), MAX_NEW, (),
                                     make_generator(0)))
@@ -197,7 +197,7 @@ def test_static_passes_stay_lossless(method, tree, spans):
     draft = TorchRuntime(tiny_model(0, noise=0.05), capacity=capacity, static=True,
                          spans=spans)
     spec = SpecConfig(method, 5, tree=tree, tree_topk=2)
-    proposer = PROPOSERS[method](spec, target, draft, heads_for(method, target))
+    proposer = PROPOSERS[method](spec, ProposerContext(target, draft, heads_for(method, target)))
     steps = list(speculative_decode(target, proposer, FixedK(5), prompt, SamplingConfig(),
                                     MAX_NEW, (), make_generator(0)))
     assert [t for s in steps for t in s.tokens] == plain(prompt=prompt)

@@ -35,7 +35,7 @@ from forerun.heads import (
     w8a8_available,
 )
 from forerun.policy import FixedK
-from forerun.propose import PROPOSERS, SpecConfig
+from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.base import Draft
 from forerun.propose.heads import (
     AUTO_TREE,
@@ -315,7 +315,7 @@ def test_greedy_head_speculation_equals_plain_greedy(kind, tree, lookup, synthet
     synthetic_curves(target, per_token=0.0)
     heads = random_heads(kind, target)
     spec = SpecConfig(kind, 3, tree=tree, tree_topk=3, lookup=lookup)
-    proposer = PROPOSERS[kind](spec, target, None, heads)
+    proposer = PROPOSERS[kind](spec, ProposerContext(target, heads=heads))
     out, steps = decode(target, proposer, 3, GREEDY, 40, make_generator(0))
     assert out == reference and all(s.drafted <= 3 for s in steps)
     assert sum(s.drafted for s in steps) > 0
@@ -407,7 +407,8 @@ def test_heads_drafting_in_a_cheaper_precision_equal_plain_greedy(kind, precisio
     heads = random_heads(kind, target).for_drafting(precision)
     assert heads.lm_draft is not None and not any(
         isinstance(m, torch.nn.Linear) for m in heads.modules())
-    proposer = PROPOSERS[kind](SpecConfig(kind, 3, tree=7, tree_topk=3), target, None, heads)
+    proposer = PROPOSERS[kind](SpecConfig(kind, 3, tree=7, tree_topk=3),
+                               ProposerContext(target, heads=heads))
     out, steps = decode(target, proposer, 3, GREEDY, 40, make_generator(0))
     assert out == reference and sum(s.drafted for s in steps) > 0
 
@@ -544,8 +545,8 @@ def test_sampling_with_head_trees_matches_target_joint(kind, tree, sampling, loo
             proposer = HeadProposer(heads, t.capacity, AUTO_TREE, 2, verify=lambda n: 1.0,
                                     lookup=LookupBranch() if lookup else None)
         else:
-            proposer = PROPOSERS[kind](SpecConfig(kind, 2, tree=tree, tree_topk=2), t, None,
-                                       heads)
+            proposer = PROPOSERS[kind](SpecConfig(kind, 2, tree=tree, tree_topk=2),
+                                       ProposerContext(t, heads=heads))
         steps = speculative_decode(t, proposer, FixedK(2), PROMPT, sampling, 3, (), generator)
         seq = tuple(x for s in steps for x in s.tokens)
         counts[seq] = counts.get(seq, 0) + 1
@@ -555,9 +556,10 @@ def test_sampling_with_head_trees_matches_target_joint(kind, tree, sampling, loo
 def test_head_methods_need_matching_heads():
     rt = tiny_runtime(0)
     with pytest.raises(ValueError, match="needs trained heads"):
-        PROPOSERS["eagle"](SpecConfig("eagle"), rt, None, None)
+        PROPOSERS["eagle"](SpecConfig("eagle"), ProposerContext(rt))
     with pytest.raises(ValueError, match="holds medusa heads"):
-        PROPOSERS["eagle"](SpecConfig("eagle"), rt, None, random_heads("medusa", rt))
+        PROPOSERS["eagle"](SpecConfig("eagle"), ProposerContext(rt, heads=random_heads("medusa",
+                                                                                      rt)))
 
 
 # --- files and training -------------------------------------------------------------------
@@ -896,24 +898,26 @@ def test_eagle_static_steps_draft_as_the_eager_ones(kind, tree):
 
 
 def test_eagle_proposers_of_one_sequence_reuse_its_cache():
-    """A server makes a proposer per request: an EAGLE proposer for the same target runtime
-    and heads takes over the last one's cache and recorded steps (recording CUDA graphs anew
-    would cost every request); another runtime, or other heads, get their own; decoding after
-    the hand-over still equals plain decoding."""
+    """A server makes a proposer per request: an EAGLE proposer built from the same
+    sequence's context (its stores) and heads takes over the last one's cache and recorded
+    steps (recording CUDA graphs anew would cost every request); another sequence, or other
+    heads, get their own; decoding after the hand-over still equals plain decoding."""
     target, other = tiny_runtime(0), tiny_runtime(0)
     heads = random_heads("eagle", target)
     spec = SpecConfig("eagle", 4, tree=5, tree_topk=2)
-    first = PROPOSERS["eagle"](spec, target, None, heads)
-    second = PROPOSERS["eagle"](spec, target, None, heads)
+    ctx = ProposerContext(target, heads=heads)
+    first = PROPOSERS["eagle"](spec, ctx)
+    second = PROPOSERS["eagle"](spec, ctx)
     assert second.k_cache is first.k_cache and second.static is first.static
-    assert PROPOSERS["eagle"](spec, other, None, heads).k_cache is not first.k_cache
-    assert PROPOSERS["eagle"](spec, target, None, random_heads("eagle", target)
+    assert PROPOSERS["eagle"](spec, ProposerContext(other, heads=heads)
+                              ).k_cache is not first.k_cache
+    assert PROPOSERS["eagle"](spec, replace(ctx, heads=random_heads("eagle", target))
                               ).k_cache is not first.k_cache
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
     want = [t for s in plain_decode(tiny_runtime(0), prompt, GREEDY, 20, (), make_generator(0))
             for t in s.tokens]
     for _ in range(2):  # the second run starts from the first one's leftover cache
-        proposer = PROPOSERS["eagle"](spec, target, None, heads)
+        proposer = PROPOSERS["eagle"](spec, ctx)
         got = [t for s in speculative_decode(target, proposer, FixedK(4), prompt, GREEDY, 20,
                                              (), make_generator(0)) for t in s.tokens]
         assert got == want

@@ -98,3 +98,32 @@ def test_every_module_has_a_docstring():
     missing = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
                if ast.get_docstring(ast.parse(p.read_text())) is None]
     assert not missing, missing
+
+
+# getattr/hasattr on objects that are not forerun's own, each with its reason. What a proposer
+# needs and what a runtime can do are declared (`Needs`, `Capabilities`), never probed: a new
+# probe of our own objects fails here, to be declared in a record instead.
+LIBRARY_PROBES = ("torch",)  # feature probes of the installed torch (ops, dtypes)
+FOREIGN_PROBES = {
+    ("runtime/llama_cpp.py", "lib"): "the llama.cpp library: does this build have our patch",
+    ("models/chat_template.py", "func"): "the template sandbox: Jinja's marks on a callable",
+    ("models/chat_template.py", "__obj"): "the template sandbox: what a template calls",
+    ("models/chat_template.py", "bound"): "the template sandbox: what a template calls",
+    ("bench/heads_cost.py", "self.inner"): "TimedProposer, a proxy: all but propose is inner's",
+    ("check.py", "decode_loop"): "the self-test swaps the engine module's samplers, restores them",
+    ("bench/throughput_peers.py", "tok"): "a Hugging Face tokenizer's chat template",
+}
+
+
+def test_no_probing_of_our_own_objects():
+    probes = []
+    for path in sorted(ROOT.rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and node.args):
+                obj = ast.unparse(node.args[0])
+                if obj.split(".")[0] not in LIBRARY_PROBES and (name, obj) not in FOREIGN_PROBES:
+                    probes.append(f"{name}:{node.lineno}: {node.func.id}({obj}, ...)")
+    assert not probes, "declare it (Needs, Capabilities) instead of probing:\n" + "\n".join(
+        probes)

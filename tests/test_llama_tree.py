@@ -388,18 +388,22 @@ def test_heads_read_the_prompt_features_where_they_cost_no_logits(rt, monkeypatc
     """The factory's heads read the prompt's features on torch and on a patched llama.cpp;
     where each hidden row would cost an LM-head row (llama.cpp without the patch) they skip
     them, and the prefill stays plain's one pass."""
+    from dataclasses import replace
+
     from conftest import random_heads, tiny_runtime
 
-    from forerun.propose import PROPOSERS, SpecConfig
+    from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 
     for kind in ("medusa", "eagle"):
         heads, spec = random_heads(kind, tiny_runtime(0)), SpecConfig(kind, 3)
-        assert PROPOSERS[kind](spec, tiny_runtime(0), None, heads).prompt_features is True
-        assert PROPOSERS[kind](spec, rt, None, heads).prompt_features is (
-            not rt.hidden_rows_cost_logits)
+        torch_ctx = ProposerContext(tiny_runtime(0), heads=heads)
+        ctx = ProposerContext(rt, heads=heads)
+        assert PROPOSERS[kind](spec, torch_ctx).needs.prompt_features is True
+        assert PROPOSERS[kind](spec, ctx).needs.prompt_features is (
+            not rt.capabilities.hidden_costs_logits)
         with monkeypatch.context() as m:
-            m.setattr(rt, "hidden_rows_cost_logits", True)
-            assert PROPOSERS[kind](spec, rt, None, heads).prompt_features is False
+            m.setattr(rt, "capabilities", replace(rt.capabilities, hidden_costs_logits=True))
+            assert PROPOSERS[kind](spec, ctx).needs.prompt_features is False
 
 
 def test_train_collects_features_on_llama_cpp(source, tmp_path):

@@ -19,7 +19,7 @@ import forerun.engine
 from forerun.engine import speculative_decode
 from forerun.policy import AdaptiveK, CostModelK, FixedK
 from forerun.profile import ForwardCurve
-from forerun.propose import PROPOSERS, SpecConfig
+from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.verify import Verdict
 
@@ -54,7 +54,7 @@ def exact_joint(sampling: SamplingConfig) -> dict[tuple, float]:
 def empirical(method: str, k: int, sampling: SamplingConfig, policy=FixedK,
               seed: int = 2024) -> dict[tuple, int]:
     target, draft = target_model(), draft_model()
-    proposer = PROPOSERS[method](SpecConfig(method, k), target, draft)
+    proposer = PROPOSERS[method](SpecConfig(method, k), ProposerContext(target, draft))
     generator, counts = make_generator(seed), {}
     for _ in range(RUNS):
         steps = speculative_decode(target, proposer, policy(k), PROMPT, sampling, NEW_TOKENS,

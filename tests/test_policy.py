@@ -31,9 +31,9 @@ from forerun.profile import (
     calibration_sizes,
     measure_forward_curve,
 )
-from forerun.propose import PROPOSERS, SpecConfig
+from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.reference import plain_decode
-from forerun.runtime.base import ForwardOutput
+from forerun.runtime.base import Capabilities, ForwardOutput
 from forerun.sampling import SamplingConfig, make_generator
 
 K_MAX = 6
@@ -120,7 +120,7 @@ def test_the_decode_loop_shows_its_verify_passes_to_the_target_s_curve():
     target = tiny_runtime(0)
     curve = calibrated_curve(target, 5)
     assert isinstance(curve, LiveCurve) and cached_curve(target) is curve
-    proposer = PROPOSERS["ngram"](SpecConfig("ngram", 4), target, None, None)
+    proposer = PROPOSERS["ngram"](SpecConfig("ngram", 4), ProposerContext(target))
     steps = list(speculative_decode(target, proposer, CostModelK(4, MODERATE), [1, 2, 3] * 4,
                                     SamplingConfig(), 20, (), make_generator(0)))
     seen = curve.to_dict()["seen"]
@@ -202,8 +202,8 @@ def test_every_k_it_picks_is_lossless():
     expected = [t for s in steps for t in s.tokens]
     for method in PROPOSERS:
         target = tiny_runtime(0)
-        proposer = PROPOSERS[method](SpecConfig(method, 4), target,
-                                     tiny_runtime(0, noise=0.05), heads_for(method, target))
+        proposer = PROPOSERS[method](SpecConfig(method, 4), ProposerContext(
+            target, tiny_runtime(0, noise=0.05), heads_for(method, target)))
         steps = list(speculative_decode(target, proposer, CostModelK(4, MODERATE, 0.05), prompt,
                                         SamplingConfig(), max_new, (), make_generator(0)))
         assert [t for s in steps for t in s.tokens] == expected
@@ -216,6 +216,7 @@ class ClockRuntime:
     """A fake runtime whose forward over T tokens advances a fake clock by BASE + PER_TOKEN * T."""
 
     BASE, PER_TOKEN = 1.0, 0.25
+    capabilities, curve = Capabilities(), None
 
     def __init__(self, capacity: int = 256):
         self.config, self.capacity, self.length = tiny_config(), capacity, 0

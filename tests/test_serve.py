@@ -43,7 +43,7 @@ from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
 from forerun import Engine, LoadConfig, SpecConfig, profile
 from forerun.models import chat_template
 from forerun.models.load import open_model
-from forerun.runtime.base import ForwardOutput
+from forerun.runtime.base import Capabilities, ForwardOutput
 from forerun.sampling import SamplingConfig
 from forerun.serve.app import ServeConfig, create_app
 from forerun.serve.limits import MAX_K
@@ -634,6 +634,8 @@ def test_client_leaving_a_non_streaming_request_frees_its_slot(slow_server, refe
 class ScriptedRuntime:
     """A "model" that writes a script: after a prompt of `prompt_len` tokens it predicts
     script[0], script[1], ... whatever it is fed, then the stop token."""
+
+    capabilities, curve = Capabilities(), None
 
     def __init__(self, script: list[int], prompt_len: int, vocab: int, stop: int):
         self.script, self.prompt_len, self.stop, self.length = script, prompt_len, stop, 0

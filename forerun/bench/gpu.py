@@ -141,15 +141,16 @@ def random_heads(kind: str, target: TorchRuntime, precision: str, head: dict,
 
 
 def head_proposer(kind: str, target: TorchRuntime, precision: str, tree: int, head: dict,
-                  topk: int = 2, graphs: bool | str = True, heads: Heads | None = None
-                  ) -> HeadProposer:
+                  topk: int = 2, graphs: bool | str = True, heads: Heads | None = None,
+                  store: dict | None = None) -> HeadProposer:
     """A head proposer as `forerun generate` builds it (EAGLE's steps as CUDA graphs on a GPU,
     its tree grown there); graphs="levels": graphed steps, the tree grown level by level through
-    the host; False: every step eager."""
+    the host; False: every step eager. `store`: the sequence's stores, which an earlier EAGLE
+    proposer of these heads left its cache and graphs in (ProposerContext.stores)."""
     heads = heads or random_heads(kind, target, precision, head)
     verify = calibrated_curve(target, AUTO_TREE_MAX + 1) if tree == AUTO_TREE else None
     proposer = HeadProposer(heads, target.capacity, tree, topk, verify,
-                            static=False if graphs is False else None, sequence=target)
+                            static=False if graphs is False else None, store=store)
     if graphs == "levels":
         proposer.tree_on_device = False  # the documented switch the comparison is about
     return proposer
@@ -223,9 +224,10 @@ def reused_eagle(target: TorchRuntime, prompt: list[int], k: int, head: dict,
     """A second EAGLE proposer for the same target and heads, as a server's next request gets
     it: after a whole decode of n tokens with the first, it takes over that one's cache and
     graphs."""
-    heads = random_heads("eagle", target, "float32", head)
-    decode(target, head_proposer("eagle", target, "float32", 8, head, heads=heads), prompt, n, k)
-    return head_proposer("eagle", target, "float32", 8, head, heads=heads)
+    heads, store = random_heads("eagle", target, "float32", head), {}
+    decode(target, head_proposer("eagle", target, "float32", 8, head, heads=heads, store=store),
+           prompt, n, k)
+    return head_proposer("eagle", target, "float32", 8, head, heads=heads, store=store)
 
 
 def gpu_check(cfg: GpuCheckConfig, report: Callable[[str], None] = print) -> dict:

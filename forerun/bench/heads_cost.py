@@ -19,7 +19,7 @@ import torch
 from forerun.engine import speculative_decode
 from forerun.policy import FixedK
 from forerun.profile import measure_forward_curve
-from forerun.propose import PROPOSERS, SpecConfig
+from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.base import Draft, Proposer
 from forerun.runtime.base import Runtime
 from forerun.sampling import SamplingConfig, make_generator
@@ -72,8 +72,9 @@ def heads_cost(target: Runtime, heads, method: str, prompt: list[int], k: int, t
     chain of k and a tree of `tree` nodes, each `propose_cost` over a greedy decode."""
     out: dict = {"method": method, "k": k, "tree": tree,
                  "target_fwd1_ms": target_ms(target, len(prompt))}
+    ctx = ProposerContext(target, heads=heads)  # one sequence: EAGLE's cache is reused
     for label, nodes in (("chain", 0), ("tree", tree)):
-        proposer = PROPOSERS[method](SpecConfig(method, k, tree=nodes), target, None, heads)
+        proposer = PROPOSERS[method](SpecConfig(method, k, tree=nodes), ctx)
         cost = propose_cost(target, proposer, prompt, k, max_tokens)
         out[label] = cost | {"ratio": round(cost["propose_ms"] / out["target_fwd1_ms"], 3)
                              if cost["propose_ms"] is not None else None}

@@ -243,7 +243,7 @@ def check_method(engine: Engine, spec: SpecConfig) -> None:
     """Raise ValueError now, not at the next reply, if the engine lacks what the method needs
     (heads, a draft model): the method's own factory says so."""
     if spec.method != "none":
-        PROPOSERS[spec.method](spec, engine.target, engine.draft, engine.heads)
+        PROPOSERS[spec.method](spec, engine.proposers)
 
 
 def describe(spec: SpecConfig) -> str:

@@ -180,8 +180,8 @@ def _foreign(fields: dict) -> TextTokenizer:
 def target_io(src: ModelSource, runtime: Runtime) -> TargetIO:
     """The target's token embeddings and LM head rows, for heads that draft from its features:
     the torch runtime's own tensors, or for another runtime those two read from the file."""
-    model = getattr(runtime, "model", None)
-    if model is not None:
+    if isinstance(runtime, TorchRuntime):  # its own tensors, in memory
+        model = runtime.model
         return TargetIO(model.embed.weight.detach(), model.lm_weight().detach())
     read = _gguf_weights if src.kind == "gguf" else _hf_weights
     w = read(src, torch.float32, names=("embed", "lm_head"))

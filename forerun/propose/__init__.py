@@ -1,7 +1,8 @@
 """Drafting methods, each one module behind the Proposer protocol, registered in PROPOSERS.
 
-A factory takes the speculation config and the models it may use and returns a Proposer; the
-engine looks methods up here and never branches on their names.
+A factory takes the speculation config and a `ProposerContext` (the models and stores it may
+use) and returns a Proposer: `PROPOSERS[method](spec, ctx)`. The engine looks methods up here
+and never branches on their names; what a proposer needs of it, it declares in `needs`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from forerun.profile import calibrated_curve
-from forerun.propose.base import Draft, Proposer
+from forerun.propose.base import Draft, Needs, Proposer, ProposerContext
 from forerun.propose.draft_model import DraftModelProposer
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer
 from forerun.propose.ngram import LookupBranch, NgramProposer
-from forerun.runtime.base import Runtime
 
 
 @dataclass(frozen=True)
@@ -52,17 +52,18 @@ def tree_budget(text: str) -> int:
     return int(text)
 
 
-def _draft(spec: SpecConfig, target: Runtime, draft: Runtime | None, heads=None) -> Proposer:
-    if draft is None:
+def _draft(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    if ctx.draft is None:
         raise ValueError("method 'draft' needs a draft model (--draft)")
-    return DraftModelProposer(draft, target.config.vocab_size)
+    return DraftModelProposer(ctx.draft, ctx.target.config.vocab_size)
 
 
-def _ngram(spec: SpecConfig, target: Runtime, draft: Runtime | None, heads=None) -> Proposer:
+def _ngram(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     return NgramProposer(spec.ngram_min, spec.ngram_max)
 
 
-def _heads(spec: SpecConfig, target: Runtime, draft: Runtime | None, heads=None) -> Proposer:
+def _heads(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    target, heads = ctx.target, ctx.heads
     if heads is None:
         raise ValueError(f"method {spec.method!r} needs trained heads (--heads PATH; make them "
                          f"with `forerun train {spec.method}`)")
@@ -72,14 +73,15 @@ def _heads(spec: SpecConfig, target: Runtime, draft: Runtime | None, heads=None)
     verify = calibrated_curve(target, AUTO_TREE_MAX + 1) if spec.tree == AUTO_TREE else None
     # where each hidden row costs an LM-head row (stock llama.cpp: ~3 ms a row for the default
     # target here, 0.4 s for a 120-token prompt), heads skip the prompt's features
-    prompt_features = not getattr(target, "hidden_rows_cost_logits", False)
+    prompt_features = not target.capabilities.hidden_costs_logits
     lookup = LookupBranch(spec.ngram_min, spec.ngram_max) if spec.lookup else None
     return HeadProposer(heads, target.capacity, spec.tree, spec.tree_topk, verify,
-                        prompt_features, lookup, sequence=target)
+                        prompt_features, lookup, store=ctx.stores)
 
 
-# method -> factory(spec, target, draft runtime or None, heads or None)
-PROPOSERS: dict[str, Callable[..., Proposer]] = {
+ProposerFactory = Callable[[SpecConfig, ProposerContext], Proposer]
+# method -> factory(spec, context)
+PROPOSERS: dict[str, ProposerFactory] = {
     "draft": _draft,
     "ngram": _ngram,
     "medusa": _heads,
@@ -88,4 +90,5 @@ PROPOSERS: dict[str, Callable[..., Proposer]] = {
     "eagle3": _heads,
 }
 
-__all__ = ["AUTO_TREE", "PROPOSERS", "Draft", "Proposer", "SpecConfig", "tree_budget"]
+__all__ = ["AUTO_TREE", "PROPOSERS", "Draft", "Needs", "Proposer", "ProposerContext",
+           "ProposerFactory", "SpecConfig", "tree_budget"]

@@ -3,6 +3,10 @@
 Owns: the seam every drafting method plugs into. A proposer sees the whole token sequence so far
 (prompt + output), proposes up to k next tokens, and is told after verification how much of the
 sequence is final so it can roll back any state (a KV cache) built on rejected tokens.
+What a proposer needs beyond the tokens (target features, extra verify rows, a store kept
+across its sequence's proposers) it declares in `needs`, a `Needs` record the engine reads;
+nothing probes a proposer for optional attributes. A factory in `forerun.propose.PROPOSERS`
+builds one from the speculation config and a `ProposerContext`, the models and stores it may use.
 Also `AcceptanceEstimate`, the running per-token acceptance that prices drafts (the cost length
 policy, the lookup branch of a head's tree).
 """
@@ -10,13 +14,17 @@ policy, the lookup branch of a head's tree).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from forerun.runtime.base import Runtime
 from forerun.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from forerun.heads import Heads
+    from forerun.models.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,36 @@ class Draft:
             return self
         return Draft(self.tokens[:room], None if self.q is None else self.q[:room],
                      None if self.parents is None else self.parents[:room])
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a drafter needs of the engine beyond the token sequence (the default: nothing)."""
+
+    hidden_layers: tuple[int, ...] = ()  # target layers it drafts from (-1 = final normed),
+    # fed through `feed` for every token that enters the target's cache (a FeatureProposer)
+    prompt_features: bool = False  # it reads the prompt's features after prefill; False where
+    # a hidden row costs an LM-head row (llama.cpp): prefill is plain's, drafting starts later
+    prompt_rows: int = 0  # ... of the prompt's last this many rows only (0 = every row)
+    extra_rows: int = 0  # rows it adds to each verify pass beyond its draft (Lookahead, Jacobi)
+    shared_store: bool = False  # keeps state in ProposerContext.stores (across its proposers)
+
+    def hidden_from(self, prompt_len: int) -> int:
+        """The first prompt row whose features it reads (the target returns those only)."""
+        return max(0, prompt_len - self.prompt_rows) if self.prompt_rows else 0
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a factory in PROPOSERS may build a proposer from: the models and the stores."""
+
+    target: Runtime
+    draft: Runtime | None = None  # a draft model's runtime (method draft)
+    heads: Heads | None = None  # trained heads for the target (medusa, hydra, eagle, eagle3)
+    tokenizer: TextTokenizer | None = None
+    # state kept across the proposers built for one sequence, by name (an EAGLE head's cache
+    # and recorded graphs); the engine that builds them owns it (a drafter's Needs.shared_store)
+    stores: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,6 +101,7 @@ class AcceptanceEstimate:
 
 class Proposer(Protocol):
     name: str
+    needs: Needs  # what it needs of the engine (target features, extra verify rows)
     runtime: Runtime | None  # the model it runs once per drafted token; None = free to draft
     # the drafter that drafts for this proposer and others in one pass (a batch's shared draft
     # model); None = it drafts alone, through `propose`
@@ -83,22 +122,15 @@ class Proposer(Protocol):
 
 
 class FeatureProposer(Proposer, Protocol):
-    """A proposer that drafts from the target's own hidden states (Medusa, Hydra, EAGLE)."""
-
-    hidden_layers: tuple[int, ...]  # the target layers it needs (-1 = final normed)
-    # whether it reads the prompt's features after prefill; False where a hidden row costs an
-    # LM-head row (llama.cpp): the prefill is then plain's, and drafting starts a step later
-    prompt_features: bool
-    # after prefill(prompt): the first prompt row whose features it reads (optional; 0 = all);
-    # the engine asks the target for those rows only
-    hidden_from: int
+    """A proposer that drafts from the target's own hidden states (Medusa, Hydra, EAGLE): its
+    `needs.hidden_layers` name them."""
 
     def feed(self, hidden: dict[int, torch.Tensor]) -> None:
         """The target's features (layer -> [n, D]) of the n tokens that just entered its cache:
-        the prompt after prefill (if `prompt_features`; its rows from `hidden_from` on, or all
-        of them, of which it keeps those), the pending token and the accepted
+        the prompt after prefill (if `needs.prompt_features`; its last `needs.prompt_rows`
+        rows, or all of them, of which it keeps those), the pending token and the accepted
         path after each verify. Invariant: the proposer has been fed every token of the
-        sequence but the last (the prompt's only if `prompt_features`)."""
+        sequence but the last (the prompt's only if `needs.prompt_features`)."""
         ...
 
 

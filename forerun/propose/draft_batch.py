@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from forerun.propose.base import Draft, DraftRequest
+from forerun.propose.base import Draft, DraftRequest, Needs
 from forerun.runtime.batch import BatchTorchRuntime, PackedBatch
 from forerun.sampling import logits_to_probs, sample
 
@@ -75,6 +75,7 @@ class PooledDraft:
     """One member's draft-model proposer; `group` batches its drafting with the others'."""
 
     name = "draft"
+    needs = Needs()  # the tokens alone
 
     def __init__(self, group: SharedDraftModel, slots: int):
         self.group, self.slots, self.handle = group, slots, -1

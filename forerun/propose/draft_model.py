@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from forerun.propose.base import Draft
+from forerun.propose.base import Draft, Needs
 from forerun.runtime.base import Runtime
 from forerun.sampling import logits_to_probs, sample
 
@@ -19,6 +19,7 @@ from forerun.sampling import logits_to_probs, sample
 class DraftModelProposer:
     name = "draft"
     group = None  # drafts alone, through propose
+    needs = Needs()  # the tokens alone (its own model, its own cache)
 
     def __init__(self, runtime: Runtime, target_vocab_size: int):
         self.runtime, self.vocab_size = runtime, target_vocab_size

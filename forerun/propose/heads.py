@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import math
 from time import perf_counter
-from weakref import WeakKeyDictionary
 
 import torch
 
 from forerun.heads import Heads
-from forerun.propose.base import Draft
+from forerun.propose.base import Draft, Needs
 from forerun.propose.ngram import LookupBranch
 from forerun.runtime.static import StaticHeadSteps
 from forerun.tree import (
@@ -100,9 +99,9 @@ PROMPT_WINDOW = 16
 # (EPYC, llama.cpp, a 28k head resting on a writing prompt: ~0.45 ms a generated token, the
 # floor's largest host cost), and windows of 32 drafted as well as every row, 16 as 32 (above).
 REST_WINDOW = 16
-# target runtime -> (heads, (capacity, static?), (k cache, v cache, static steps)) of its last
-# EAGLE proposer
-_EAGLE_CACHES: WeakKeyDictionary = WeakKeyDictionary()
+# The sequence's store (ProposerContext.stores) under this name holds its last EAGLE proposer's
+# (heads, (capacity, static?), (k cache, v cache, static steps))
+EAGLE_STORE = "eagle"
 
 
 class HeadProposer:
@@ -118,22 +117,23 @@ class HeadProposer:
 
     def __init__(self, heads: Heads, capacity: int, tree: int = 0, topk: int = 4,
                  verify=None, prompt_features: bool = True, lookup: LookupBranch | None = None,
-                 static: bool | None = None, sequence=None,
+                 static: bool | None = None, store: dict | None = None,
                  prompt_window: int | None = None):
         """`tree`: node budget (0 = a chain of k, AUTO_TREE = from `verify`, the target's
         seconds per forward of n tokens); `topk`: children per expanded node;
         `prompt_features`: read the prompt's features after prefill (else start drafting from
         the first generated token's); `lookup`: also draft the prompt-lookup continuation;
         `static`: EAGLE steps in static shapes, CUDA graphs on a GPU (default: on a GPU only;
-        True on the CPU runs them eagerly, for tests); `sequence`: the target runtime this
-        proposer drafts for, whose later proposers reuse its EAGLE cache and graphs (a server
-        makes a proposer per request; recording graphs anew each time would cost every one);
+        True on the CPU runs them eagerly, for tests); `store`: the stores of the sequence this
+        proposer drafts for (ProposerContext.stores), where EAGLE leaves its cache and graphs to
+        the sequence's later proposers (a server makes a proposer per request; recording graphs
+        anew each time would cost every one);
         `prompt_window`: EAGLE takes in the features of the prompt's last this many tokens
         only (default: PROMPT_WINDOW, or the shorter window it was trained on)."""
         if tree == AUTO_TREE and verify is None:
             raise ValueError("an automatic tree budget needs the target's verify-cost curve")
         self.heads, self.cfg = heads, heads.cfg
-        self.name, self.hidden_layers = self.cfg.kind, self.cfg.layers
+        self.name = self.cfg.kind
         self.tree, self.topk, self.verify = tree, topk, verify
         self.eagle = self.cfg.kind in ("eagle", "eagle3")
         # the head runs on heads.device (a torch target's GPU, say); ids map back on the CPU
@@ -141,11 +141,15 @@ class HeadProposer:
         self.prompt_features, self.lookup = prompt_features, lookup
         trained = self.cfg.training.get("config", {}).get("seq_len") or PROMPT_WINDOW
         self.prompt_window = prompt_window or min(PROMPT_WINDOW, trained)
+        # the target's features it drafts from: of the prompt, EAGLE's window or Medusa's and
+        # Hydra's last row (prefill sets `hidden_from`, the first of them, to match)
+        self.needs = Needs(self.cfg.layers, prompt_features,
+                           self.prompt_window if self.eagle else 1, shared_store=self.eagle)
         if lookup is not None:
             self.name = f"{self.name}+lookup"
         if self.eagle:
             use_static = self.device.type == "cuda" if static is None else static
-            last = _EAGLE_CACHES.get(sequence) if sequence is not None else None
+            last = store.get(EAGLE_STORE) if store is not None else None
             if last is not None and last[0] is heads and last[1] == (capacity, use_static):
                 # the sequence's last proposer's cache (and its recorded graphs): one
                 # sequence decodes one request at a time, and prefill resets what is valid
@@ -155,9 +159,9 @@ class HeadProposer:
                 if use_static:
                     self.static = StaticHeadSteps(heads, self.k_cache, self.v_cache,
                                                   graphs=self.device.type == "cuda")
-                if sequence is not None:  # holding the heads: no id is ever reused
-                    _EAGLE_CACHES[sequence] = (heads, (capacity, use_static),
-                                               (self.k_cache, self.v_cache, self.static))
+                if store is not None:
+                    store[EAGLE_STORE] = (heads, (capacity, use_static),
+                                          (self.k_cache, self.v_cache, self.static))
         self.prefill([])
 
     def prefill(self, prompt: list[int]) -> None:

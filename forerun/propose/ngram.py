@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from forerun.propose.base import AcceptanceEstimate, Draft
+from forerun.propose.base import AcceptanceEstimate, Draft, Needs
 
 # LookupBranch's acceptance estimate per run class: the matched run r is the suffix length n
 # (min_n..max_n), extended back while the text before the suffix agrees with the text before the
@@ -147,6 +147,7 @@ class NgramProposer:
     name: str = "ngram"
     runtime: ClassVar[None] = None  # no model: drafting costs no forward passes
     group: ClassVar[None] = None  # drafts alone
+    needs: ClassVar[Needs] = Needs()  # the tokens alone
 
     def __post_init__(self):
         self._index = SuffixIndex(self.min_n, self.max_n)

@@ -5,15 +5,22 @@ A runtime holds one sequence (batch 1) and its KV cache. Tokens are appended at 
 cache; `truncate(n)` rolls back to the first n cache slots, which is free for a static cache.
 `fork()` gives another runtime over the same weights with a cache of its own, so that several
 sequences can be decoded in turn (the server holds one fork per concurrent request).
+What a runtime can do (hidden layers, CUDA graphs, a reduced vocabulary, ...) is declared in
+its `capabilities`, never probed; its `curve` slot holds the forward-time curve
+`forerun.profile` calibrated for it (None until then), owned by the runtime, not by a cache.
 Never samples, never tokenizes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from forerun.profile import LiveCurve
 
 
 @dataclass(frozen=True)
@@ -47,8 +54,31 @@ class ForwardOutput:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a runtime can do, declared once (never probed with getattr)."""
+
+    hidden_layers: bool = False  # returns every block's output and the final normed state per row
+    final_hidden: bool = False  # returns the final normed state (layer -1), if not the blocks'
+    hidden_costs_logits: bool = False  # a hidden row costs an LM-head row (stock llama.cpp)
+    reduced_vocab: bool = False  # logits over a kept subset of the vocabulary (limit_vocab)
+    static_passes: bool = False  # static decode passes that warm_up() records ahead of use
+    cuda_graphs: bool = False  # replays static decode passes as CUDA graphs
+    tree_masks: bool = True  # a pass may verify a token tree (tree_mask, positions)
+    max_batch: int = 0  # batched runtimes: most sequences in one pass (0 = as many as fit)
+    greedy_many: bool = False  # greedy_many(prompts, ...) decodes many prompts at once
+    curve_on_disk: bool = False  # calibration_key() names its forward-time curve on disk
+
+    def exposes(self, layers: Collection[int]) -> bool:
+        """Whether a forward can return the hidden states of these layers (-1 = final)."""
+        return (not layers or self.hidden_layers
+                or (self.final_hidden and set(layers) <= {-1}))
+
+
 class Runtime(Protocol):
     config: ModelConfig
+    capabilities: Capabilities
+    curve: LiveCurve | None  # its calibrated forward-time curve (forerun.profile); None = none yet
 
     @property
     def length(self) -> int:

@@ -66,7 +66,7 @@ import numpy as np
 import torch
 from llama_cpp import llama_cpp as C
 
-from forerun.runtime.base import ForwardOutput, ModelConfig
+from forerun.runtime.base import Capabilities, ForwardOutput, ModelConfig
 from forerun.runtime.llama_amx import library_dir, use_extra_buffers
 
 DEFAULT_BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch); longer input is chunked
@@ -261,6 +261,10 @@ class LlamaCppRuntime:
         self.dim = C.llama_model_n_embd(self._model)
         self._all_rows = _hidden_all_rows(self._model)
         self.hidden_rows_cost_logits = self._all_rows is None
+        self.capabilities = Capabilities(final_hidden=True,
+                                         hidden_costs_logits=self.hidden_rows_cost_logits,
+                                         greedy_many=True, curve_on_disk=True)
+        self.curve = None  # forerun.profile's calibration, at its first use
         self._open_context()
 
     def calibration_key(self) -> dict:
@@ -305,6 +309,7 @@ class LlamaCppRuntime:
         """One more sequence: a new context (KV cache) on the same loaded model."""
         twin = copy.copy(self)
         twin._open_context()
+        twin.curve = None  # its own, measured or shared (forerun.profile.share_curve)
         return twin
 
     def greedy_many(self, prompts: list[list[int]], max_tokens: int, stop_ids,

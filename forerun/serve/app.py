@@ -168,7 +168,8 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
         if room < 1:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context holds "
                            f"{capacity}", param=param, code="context_length_exceeded")
-        asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        chat = body.max_completion_tokens if isinstance(body, ChatRequest) else None
+        asked = chat or body.max_tokens
         if asked is None:
             return min(config.default_max_tokens, room)
         if asked > config.max_tokens_limit:

@@ -74,7 +74,7 @@ def self_questions(replier, n: int, seed: int = 0, max_tokens: int = 128, rows: 
         bar.reset(total=count)  # each round's candidates; some are dropped after
         starts = [openers[i % len(openers)] for i in range(start, start + count)]
         prompts = [tok.encode(head + o, add_special=False) for o in starts]
-        if hasattr(replier.target, "greedy_many"):
+        if replier.target.capabilities.greedy_many:
             replies = replier.target.greedy_many(prompts, max_tokens, tok.stop_ids, rows,
                                                  temperature=1.0, seed=seed)
         else:
@@ -154,7 +154,7 @@ def chat_replies(replier, questions: list[str], max_tokens: int, rows: int = 16
     """(index, greedy reply) for each question: batched, `rows` at a time, where the replier's
     runtime can (llama.cpp: ~2.5x the tokens a second here), else one after another."""
     tok = replier.tokenizer
-    if hasattr(replier.target, "greedy_many"):
+    if replier.target.capabilities.greedy_many:
         yield from replier.target.greedy_many([tok.encode_prompt(q) for q in questions],
                                               max_tokens, tok.stop_ids, rows)
         return
