@@ -103,3 +103,13 @@ def synthetic_curves(monkeypatch):
 
     monkeypatch.setattr(profile, "measure_forward_curve", measure)
     return price
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: tiny tensors gain nothing from a second one, and on a
+    busy 2-core machine its spinning cost 20x the CPU time (the statistical tests here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -150,7 +150,7 @@ def tree_shape(shape: tuple[int, ...]) -> TokenTree:
 class DraftCase:
     probability: float
     tokens: torch.Tensor  # [N]
-    q: torch.Tensor  # [N, V]: the distribution each node was drawn from
+    q: torch.Tensor | None  # [N, V]: the distribution each node was drawn from (None: chosen)
     p: torch.Tensor  # [N+1, V]: the target's row after the root and after each node
 
 
@@ -167,8 +167,8 @@ def drafts(tree: TokenTree, p_of, q_of, prefix: Prefix = ()) -> list[DraftCase]:
         i = len(tokens)
         if i == n:
             p = torch.stack([p_of(prefix)] + [p_of(path_tokens(tokens, j)) for j in range(n)])
-            out.append(DraftCase(prob, torch.tensor(tokens, dtype=torch.long),
-                                 torch.stack(rows), p))
+            q = torch.stack(rows) if rows else p[:0]  # [N, V]
+            out.append(DraftCase(prob, torch.tensor(tokens, dtype=torch.long), q, p))
             return
         parent = tree.parents[i]
         left = q_of(path_tokens(tokens, parent)).clone()  # [V]
@@ -334,3 +334,67 @@ def chi_square_power(expected: dict[Prefix, float], actual: dict[Prefix, float],
     df = len(used) - 1
     lam = n * sum((ai - ei) ** 2 / ei for ai, ei in used)
     return float(ncx2.sf(chi2.isf(alpha, df), df, lam))
+
+
+# --- a tabular model: a target whose every conditional is given ---------------------------------
+
+class TableModel:
+    """Next-token logits as a fixed random function of the whole token prefix: scale times a
+    standard normal draw seeded by (seed, prefix), plus `noise` times a second draw (a draft
+    that agrees with its target often, not always). Each conditional is a lookup, so engine
+    runs cost microseconds and the exact joint is read off the same numbers the engine sees."""
+
+    def __init__(self, vocab: int, seed: int, scale: float = 1.0, noise: float = 0.0):
+        self.vocab, self.seed, self.scale, self.noise = vocab, seed, scale, noise
+        self._logits: dict[Prefix, torch.Tensor] = {}
+
+    def _draw(self, prefix: Prefix, salt: int) -> torch.Tensor:
+        key = hash((self.seed, salt, prefix)) & 0x7FFF_FFFF_FFFF_FFFF
+        return torch.randn(self.vocab, generator=torch.Generator().manual_seed(key),
+                           dtype=torch.float64)
+
+    def logits(self, prefix: Prefix) -> torch.Tensor:
+        if prefix not in self._logits:
+            z = self.scale * self._draw(prefix, 0)
+            if self.noise:
+                z = z + self.noise * self._draw(prefix, 1)
+            self._logits[prefix] = z
+        return self._logits[prefix]
+
+
+class TableRuntime:
+    """A TableModel behind the Runtime protocol: the cache is the token list; a tree pass's row
+    sees the cache and its ancestors among the new tokens (tree_mask); keep() compacts to the
+    accepted rows as a model's cache would."""
+
+    curve = None  # no calibrated forward-time curve (forerun.profile)
+
+    def __init__(self, model: TableModel, capacity: int = 256):
+        from conftest import tiny_config
+
+        self.model, self.capacity = model, capacity
+        self.config = tiny_config(model.vocab)
+        self.tokens: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def forward(self, tokens: torch.Tensor, positions=None, tree_mask=None, last_only=False,
+                hidden_layers=(), hidden_from=0):
+        from forerun.runtime.base import ForwardOutput
+
+        new = tokens.tolist()
+        rows = range(len(new) - 1, len(new)) if last_only else range(len(new))
+        logits = []
+        for r in rows:
+            seen = [j for j in range(r + 1) if tree_mask is None or bool(tree_mask[r, j])]
+            logits.append(self.model.logits(tuple(self.tokens) + tuple(new[j] for j in seen)))
+        self.tokens += new
+        return ForwardOutput(torch.stack(logits))  # [T or 1, V]
+
+    def truncate(self, length: int) -> None:
+        del self.tokens[length:]
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        self.tokens[start:] = [self.tokens[start + r] for r in rows]

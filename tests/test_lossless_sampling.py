@@ -4,8 +4,20 @@ On a 6-token vocabulary we compute the target's exact joint distribution of the 
 NEW_TOKENS tokens (under each sampling configuration) and compare it with the empirical
 distribution of speculative decoding over RUNS seeded runs, with a chi-square test (cells whose
 expected count is below 5 pooled). Each check fails by chance with probability ALPHA = 1e-4;
-with the 9 checks below the suite's false-failure probability is below 1e-3. A deliberately
-broken verifier (accept every draft token) must fail the same test: the test has power.
+with the 8 checks of the real verifier below the module's false-failure probability is below
+1e-3. A deliberately broken verifier (accept every draft token) must fail the same test.
+
+With NEW_TOKENS = 3 every draft here is at most one token deep (the engine caps a draft at
+max_new - emitted - 1 after the prefill's token): these cases check the sampling
+configurations and policies end to end, not deep drafts. Drafts K = 2..4 deep, trees of two
+and three levels and verifier mutants with computed power are in test_lossless_deep (engine)
+and test_verify_power (one verify step, exact).
+
+The whole suite's statistical checks, each seeded (a run is reproducible; the rate is the
+chance that a correct change which reshuffles the random draws fails one): here 8 x 1e-4;
+test_heads 7 x 1e-4 (its joint and first-token checks at this ALPHA); test_sampling 1e-4;
+test_verify 3 x 1e-6; test_check 9e-4; test_verify_power 2 x 1e-4 + 8 mutants' escapes
+(< 5e-8); test_lossless_deep 9 x 1e-4 + 7 mutants' escapes (< 5e-11). Total < 3.7e-3.
 """
 
 import itertools

@@ -62,6 +62,7 @@ from forerun.sampling import sample
 from forerun.tree import TokenTree
 from forerun.verify import recursive_rejection_sample, rejection_sample
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 V, ALPHA = 3, 1e-4
 CHAIN, TREE = tree_shape((1, 1, 1)), tree_shape((2, 2))
 CHAIN_LENGTH, TREE_LENGTH = 4, 3  # tokens compared: K + 1 for the chain, depth + 1 for the tree
