@@ -212,7 +212,7 @@ class TorchRuntime:
 
     def __init__(self, model: Transformer, capacity: int, prepack: bool | None = None,
                  static: bool | None = None, spans: bool = False,
-                 invariant: bool | None = None):
+                 invariant: bool = False):
         """`prepack`: reorder the weights for oneDNN (default: where it applies, CPU float32 and
         bfloat16); the model is changed in place. `static`: run decode-sized passes in static
         shapes (forerun.runtime.static), replayed as CUDA graphs on a GPU (default: on a GPU
@@ -220,8 +220,9 @@ class TorchRuntime:
         yet timed on a GPU): static passes attend over a power-of-two span of the cache
         instead of all of it (see forerun.runtime.static.span_of). `invariant`: row-invariant
         kernels (MIN_MATMUL_ROWS, MIN_ATTENTION_ROWS), so a token's logits do not depend on
-        how many rows share its pass (default: on wherever the weights are prepacked, the
-        CPU); set on the model, so its forks and batched views share it."""
+        how many rows share its pass, op by op (off by default: on the real default target it
+        did not make bfloat16 speculation equal plain decoding; docs/runtimes.md); set on the
+        model, so its forks and batched views share it."""
         cfg = model.cfg
         self.config, self.model = cfg, model
         param = model.embed.weight
@@ -235,7 +236,7 @@ class TorchRuntime:
             self._head = lambda x: F.linear(x, model.lm_weight())
         self._head_weight = model.lm_weight()  # [V, D]: the rows the head computes
         self._vocab_ids: torch.Tensor | None = None  # [N]: set by limit_vocab
-        self.invariant = self.prepacked if invariant is None else invariant
+        self.invariant = invariant and self.prepacked
         self._set_invariant()
         self._capacity = min(capacity, cfg.context_length)
         shape = (cfg.n_layers, cfg.n_kv_heads, self._capacity, cfg.head_dim)
