@@ -10,7 +10,7 @@ import sys
 import pytest
 from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
 
-from forerun.bench.throughput import ThroughputCell, markdown, rows, spec_of
+from forerun.bench.throughput import ThroughputCell, markdown, peer_cells, rows, spec_of
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +52,25 @@ def test_modes_and_rows():
     assert rows([cell]) == [("forerun", "fixed", "8", "40.0", "5.00", "1.50x", "2.50", "3",
                              "1.00")]
     assert "| forerun | fixed | 8 |" in markdown([cell], "t")
+
+
+class FakePeer:
+    def __init__(self, batch, fail=False):
+        self.batch, self.fail = batch, fail
+
+    def label(self):
+        return "llama-server -np 2 -md k=4"
+
+    def run(self, prompts, max_tokens):
+        if self.fail:
+            raise RuntimeError("no such binary")
+        return {"tok_s": 10.0 * len(prompts), "per_seq_tok_s": 10.0, "wall_s": 1.0,
+                "total_tokens": 10 * len(prompts), "draft_n": 5}
+
+
+def test_peer_cells_are_priced_against_forerun_plain_and_failures_are_skipped(capsys):
+    cells = peer_cells([FakePeer, lambda b: FakePeer(b, fail=True)], ["a", "b"], (1, 2), 10,
+                       {1: 5.0, 2: 40.0})
+    assert [(c.system, c.mode, c.batch, c.speedup) for c in cells] == [
+        ("llama-server", "-np 2 -md k=4", 1, 2.0), ("llama-server", "-np 2 -md k=4", 2, 0.5)]
+    assert "failed: no such binary" in capsys.readouterr().err

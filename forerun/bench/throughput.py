@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import resource
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -141,3 +142,31 @@ def plot(path, cells: list[ThroughputCell], title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def peer_cells(peers: list, prompts: list[str], batches: tuple[int, ...], max_tokens: int,
+               plain: dict[int, float], on_cell=None) -> list[ThroughputCell]:
+    """Each peer (`throughput_peers`: .label(), .run(prompts, max_tokens) -> figures) on the
+    same prompts at each batch size; `plain` = forerun's plain total tok/s per batch size.
+    A peer that fails is reported in its cell's mode and skipped, not fatal."""
+    cells = []
+    for batch in batches:
+        chosen = [prompts[i % len(prompts)] for i in range(batch)]
+        for make in peers:
+            peer = make(batch)
+            try:
+                r = peer.run(chosen, max_tokens)
+            except (RuntimeError, OSError) as e:
+                print(f"peer {peer.label()} at batch {batch} failed: {str(e)[:300]}",
+                      file=sys.stderr)
+                continue
+            drafted = r.get("draft_n", 0)
+            cell = ThroughputCell(
+                peer.label().split(" ")[0], " ".join(peer.label().split(" ")[1:]) or "plain",
+                batch, r["tok_s"], r["per_seq_tok_s"], r["wall_s"], r["total_tokens"],
+                drafted / max(r["total_tokens"], 1) if drafted else 0.0, 0, 0,
+                r["tok_s"] / max(plain.get(batch, 0.0), 1e-9) if plain.get(batch) else 0.0)
+            cells.append(cell)
+            if on_cell is not None:
+                on_cell(cell)
+    return cells

@@ -87,6 +87,15 @@ def add_parser(sub) -> None:
                         "member's k chosen together from the cost of a pass of n rows)")
     t.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET_BYTES / 2**30,
                    metavar="GIB", help="KV-cache memory per model, GiB")
+    t.add_argument("--throughput-peers", default="", metavar="NAMES",
+                   help="comma-separated: vllm (offline LLM.generate; needs FORERUN_VLLM_PYTHON "
+                        "and --vllm-model), llama-server (-np BATCH; needs FORERUN_LLAMA_SERVER), "
+                        "each plain and with the draft model (k = the first of --ks); run in "
+                        "their own environments (docs/results/peers-setup.md)")
+    t.add_argument("--vllm-model", default=None, metavar="DIR",
+                   help="the target as a Hugging Face folder for vLLM (made from the GGUF: "
+                        "docs/results/peers-setup.md)")
+    t.add_argument("--vllm-draft", default=None, metavar="DIR", help="the draft, likewise")
     add_model_args(b)
     b.set_defaults(func=run)
 
@@ -169,6 +178,11 @@ def _throughput(engine: Engine, args, out: Path, meta: dict, console: Console) -
 
         cells = throughput.run_throughput(engine, messages, modes, method, k, batches,
                                           args.max_tokens, budget, on_cell=tick)
+    peers = _throughput_peers(args, k)
+    if peers:
+        plain = {c.batch: c.total_tok_s for c in cells if c.mode == "off"}
+        cells += throughput.peer_cells(peers, [p.text for p in prompts], batches,
+                                       args.max_tokens, plain)
     title = (f"forerun bench throughput: {Path(str(args.target)).name} ({meta['runtime']}, "
              f"{meta['dtype']}), {method} k={k}, {len(prompts)} prompts, "
              f"{args.max_tokens} new tokens")
@@ -190,6 +204,36 @@ def _throughput(engine: Engine, args, out: Path, meta: dict, console: Console) -
                                  "speedup": round(c.speedup, 3)} for c in cells],
                       "results": str(out / "throughput.json")}))
     return 0
+
+
+def _throughput_peers(args, k: int) -> list:
+    """Factories batch -> peer for --throughput-peers (those not installed skipped, noted)."""
+    from forerun.bench import throughput_peers as tp
+
+    names = set(_csv(args.throughput_peers))
+    unknown = names - {"vllm", "llama-server"}
+    if unknown:
+        raise ValueError(f"unknown throughput peer(s) {sorted(unknown)}; choose vllm, "
+                         "llama-server")
+    peers = []
+    if "vllm" in names:
+        python, note = tp.peer_path(tp.VLLM_VAR)
+        if python is None or not args.vllm_model:
+            print(f"vllm {note or 'skipped: no --vllm-model'}", file=sys.stderr)
+        else:
+            model, draft = Path(args.vllm_model), args.vllm_draft and Path(args.vllm_draft)
+            peers.append(lambda b: tp.VllmOffline(python, model))
+            if draft:
+                peers.append(lambda b: tp.VllmOffline(python, model, draft, k))
+    if "llama-server" in names:
+        binary, note = tp.peer_path(tp.LLAMA_VAR)
+        if binary is None:
+            print(f"llama-server {note}", file=sys.stderr)
+        else:
+            target, draft = open_model(args.target).path, open_model(args.draft).path
+            peers.append(lambda b: tp.LlamaServerPeer(binary, target, parallel=b))
+            peers.append(lambda b: tp.LlamaServerPeer(binary, target, draft, parallel=b, k=k))
+    return peers
 
 
 def _fitting(engine: Engine, prompts: list[Prompt], cfg: BenchConfig) -> list[Prompt]:
