@@ -36,7 +36,7 @@ from forerun.heads import (
 )
 from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
-from forerun.propose.base import Draft
+from forerun.propose.base import Draft, Needs
 from forerun.propose.heads import (
     AUTO_TREE,
     AUTO_TREE_MAX,
@@ -490,7 +490,7 @@ class OracleTree:
     """Knows the greedy continuation; puts a wrong sibling first and the right token second at
     every level, so every verify step accepts a full path off the first branch."""
 
-    name, runtime = "oracle", None
+    name, runtime, needs = "oracle", None, Needs()
 
     def __init__(self, reference: list[int]):
         self.reference = reference

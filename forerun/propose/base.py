@@ -54,7 +54,8 @@ class Needs:
     prompt_features: bool = False  # it reads the prompt's features after prefill; False where
     # a hidden row costs an LM-head row (llama.cpp): prefill is plain's, drafting starts later
     prompt_rows: int = 0  # ... of the prompt's last this many rows only (0 = every row)
-    extra_rows: int = 0  # rows it adds to each verify pass beyond its draft (Lookahead, Jacobi)
+    extra_rows: int = 0  # rows it adds to each verify pass beyond its draft (Lookahead, Jacobi
+    # will); the engine keeps context room for them. 0 for every drafter so far
     shared_store: bool = False  # keeps state in ProposerContext.stores (across its proposers)
 
     def hidden_from(self, prompt_len: int) -> int:
