@@ -82,7 +82,10 @@ def run_cell(engine: Engine, prompts: list, mode: str, method: str, k: int, batc
 def run_throughput(engine: Engine, prompts: list, modes: tuple[str, ...], method: str, k: int,
                    batches: tuple[int, ...], max_tokens: int, kv_budget_bytes: int,
                    on_cell=None) -> list[ThroughputCell]:
-    """Every mode at every batch size; plain ("off") first at each size, as the baseline."""
+    """Every mode at every batch size; plain ("off") first at each size, as the baseline.
+    The cost policy's pass-cost curves are measured first, untimed (a one-token batch)."""
+    if "cost" in modes:
+        run_cell(engine, prompts, "cost", method, k, 1, 1, kv_budget_bytes)
     cells = []
     for batch in batches:
         plain, plain_ids = None, None
