@@ -184,8 +184,8 @@ class Engine:
         self.heads = heads
         # what proposers are built from; its stores are this sequence's (forks get their own)
         self.proposers = ProposerContext(target, draft, heads, tokenizer)
-        self._batches: dict[tuple[str, int], BatchRuntime] = {}  # (role, budget) -> view
-        self._batch_curves: dict[int, ForwardCurve] = {}  # id(batched view) -> its pass costs
+        self._batches: dict[str, tuple[int, BatchRuntime]] = {}  # role -> (budget, its view)
+        self._batch_curves: dict[str, ForwardCurve] = {}  # role -> its view's pass costs
 
     def warm_up(self) -> int:
         """Record the target's and the draft model's static passes (CUDA graphs on a GPU) of
@@ -334,22 +334,22 @@ class Engine:
     def kv_peak_bytes(self, reset: bool = False) -> int:
         """The most KV-cache bytes batched decoding reserved at once (target and draft) since
         the last reset."""
-        return sum(rt.kv_peak_bytes(reset) for rt in self._batches.values())
+        return sum(rt.kv_peak_bytes(reset) for _, rt in self._batches.values())
 
     def _batch_curve(self, runtime: BatchRuntime) -> ForwardCurve:
-        """Seconds of a pass over n rows of a batched runtime, measured at its first use."""
-        if id(runtime) not in self._batch_curves:
-            self._batch_curves[id(runtime)] = measure_batch_curve(runtime,
-                                                                  self.target.config.vocab_size)
-        return self._batch_curves[id(runtime)]
+        """Seconds of a pass over n rows of a batched view, measured at its first use."""
+        role = next(r for r, (_, rt) in self._batches.items() if rt is runtime)
+        if role not in self._batch_curves:
+            self._batch_curves[role] = measure_batch_curve(runtime, self.target.config.vocab_size)
+        return self._batch_curves[role]
 
     def _batch_runtime(self, role: str, runtime: Runtime, budget: int) -> BatchRuntime:
-        """The batched view of the target or the draft (kept: its pool is reused)."""
-        key = (role, budget)
-        if key not in self._batches:
-            self._batches = {key: _batched(runtime, budget)} | {
-                other: rt for other, rt in self._batches.items() if other[0] != role}
-        return self._batches[key]
+        """The batched view of the target or the draft, kept while the budget stays (its pool
+        and its measured curve are reused)."""
+        if self._batches.get(role, (None,))[0] != budget:
+            self._batches[role] = (budget, _batched(runtime, budget))
+            self._batch_curves.pop(role, None)
+        return self._batches[role][1]
 
 
 def _batched(runtime: Runtime, budget: int) -> BatchRuntime:

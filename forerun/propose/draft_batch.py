@@ -17,14 +17,14 @@ from __future__ import annotations
 import torch
 
 from forerun.propose.base import Draft, DraftRequest, Needs
-from forerun.runtime.batch import BatchTorchRuntime, PackedBatch
+from forerun.runtime.batch import BatchRuntime, PackedBatch
 from forerun.sampling import logits_to_probs, sample
 
 
 class SharedDraftModel:
     """The draft model for every member of a batch (its own pool, same slots as the target's)."""
 
-    def __init__(self, runtime: BatchTorchRuntime, target_vocab_size: int):
+    def __init__(self, runtime: BatchRuntime, target_vocab_size: int):
         self.runtime, self.vocab_size = runtime, target_vocab_size
 
     def proposer(self, slots: int) -> PooledDraft:
