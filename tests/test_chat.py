@@ -124,8 +124,11 @@ def test_ctrl_c_stops_the_reply_not_the_chat(endless):
     # the chat is alive and the engine clean: a fresh conversation begins with the same reply
     assert "conversation cleared" in say(child, "/reset")
     again = interrupted_reply(child, "hello")
-    n = min(len(first), len(again))
-    assert n > 0 and again[:n] == first[:n]
+    # a reply cut inside a multi-byte character ends in U+FFFD where the other may go on with
+    # the whole character (or with the byte after an invalid lead): the last shown one may differ
+    assert again, "no reply before the second Ctrl-C"
+    n = min(len(first), len(again)) - 1
+    assert again[:n] == first[:n]
     # Ctrl-C at the prompt: a hint, the prompt again; Ctrl-D then quits with status 0
     child.sendintr()
     child.expect_exact("/exit or Ctrl-D quits")
