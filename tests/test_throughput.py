@@ -55,22 +55,51 @@ def test_modes_and_rows():
 
 
 class FakePeer:
-    def __init__(self, batch, fail=False):
-        self.batch, self.fail = batch, fail
+    """A `BatchPeer`: every batch size in one call, `fail_at` noted as an error, `down` raising."""
 
-    def label(self):
-        return "llama-server -np 2 -md k=4"
+    def __init__(self, fail_at=(), down=False):
+        self.fail_at, self.down, self.calls = fail_at, down, []
 
-    def run(self, prompts, max_tokens):
-        if self.fail:
+    def label(self, batch):
+        return f"llama-server -np {batch} -md k=4"
+
+    def run_batches(self, prompts_by_batch, max_tokens):
+        self.calls.append(dict(prompts_by_batch))
+        if self.down:
             raise RuntimeError("no such binary")
-        return {"tok_s": 10.0 * len(prompts), "per_seq_tok_s": 10.0, "wall_s": 1.0,
-                "total_tokens": 10 * len(prompts), "draft_n": 5}
+        return {b: {"error": "out of memory"} if b in self.fail_at else
+                {"tok_s": 10.0 * len(p), "per_seq_tok_s": 10.0, "wall_s": 1.0,
+                 "total_tokens": 10 * len(p), "draft_n": 5} for b, p in prompts_by_batch.items()}
 
 
-def test_peer_cells_are_priced_against_forerun_plain_and_failures_are_skipped(capsys):
-    cells = peer_cells([FakePeer, lambda b: FakePeer(b, fail=True)], ["a", "b"], (1, 2), 10,
-                       {1: 5.0, 2: 40.0})
+def test_peer_cells_run_each_peer_once_priced_against_plain_failures_skipped(capsys):
+    whole, patchy, down = FakePeer(), FakePeer(fail_at=(2,)), FakePeer(down=True)
+    cells = peer_cells([whole, patchy, down], ["a", "b"], (1, 2, 3), 10,
+                       {1: 5.0, 2: 40.0, 3: 15.0})
+    assert whole.calls == patchy.calls == down.calls == [
+        {1: ["a"], 2: ["a", "b"], 3: ["a", "b", "a"]}]  # one call for every size, prompts cycled
     assert [(c.system, c.mode, c.batch, c.speedup) for c in cells] == [
-        ("llama-server", "-np 2 -md k=4", 1, 2.0), ("llama-server", "-np 2 -md k=4", 2, 0.5)]
-    assert "failed: no such binary" in capsys.readouterr().err
+        ("llama-server", "-np 1 -md k=4", 1, 2.0), ("llama-server", "-np 1 -md k=4", 1, 2.0),
+        ("llama-server", "-np 2 -md k=4", 2, 0.5),
+        ("llama-server", "-np 3 -md k=4", 3, 2.0), ("llama-server", "-np 3 -md k=4", 3, 2.0)]
+    assert cells[0].chosen_k == 0.5 and cells[0].total_tok_s == 10.0
+    err = capsys.readouterr().err
+    assert "peer llama-server -np 1 -md k=4 failed: no such binary" in err
+    assert "peer llama-server -np 2 -md k=4 at batch 2 failed: out of memory" in err
+
+
+def test_throughput_peers_make_one_vllm_peer_per_variant(monkeypatch, tmp_path):
+    from argparse import Namespace
+
+    from forerun.bench import throughput_peers as tp
+    from forerun.commands.bench import _throughput_peers
+
+    python = tmp_path / "python"
+    python.write_text("")
+    monkeypatch.setenv(tp.VLLM_VAR, str(python))
+    args = Namespace(throughput_peers="vllm", vllm_model=str(tmp_path / "hf"),
+                     vllm_draft=str(tmp_path / "hf-draft"))
+    plain, spec = _throughput_peers(args, 3)
+    assert isinstance(plain, tp.VllmOffline) and isinstance(spec, tp.VllmOffline)
+    assert (plain.label(8), spec.label(8)) == ("vllm", "vllm draft k=3")
+    assert spec.draft_dir == tmp_path / "hf-draft" and plain.draft_dir is None

@@ -149,27 +149,38 @@ def plot(path, cells: list[ThroughputCell], title: str) -> None:
 
 def peer_cells(peers: list, prompts: list[str], batches: tuple[int, ...], max_tokens: int,
                plain: dict[int, float], on_cell=None) -> list[ThroughputCell]:
-    """Each peer (`throughput_peers`: .label(), .run(prompts, max_tokens) -> figures) on the
-    same prompts at each batch size; `plain` = forerun's plain total tok/s per batch size.
-    A peer that fails is reported in its cell's mode and skipped, not fatal."""
+    """Each peer (`throughput_peers.BatchPeer`) on the same prompts at every batch size, in one
+    `run_batches` call (vLLM loads once for all of them); `plain` = forerun's plain total tok/s
+    per batch size. Cells come batch by batch, each peer in turn. A peer, or one of its batch
+    sizes, that fails is reported on stderr and skipped, not fatal."""
+    chosen = {batch: [prompts[i % len(prompts)] for i in range(batch)] for batch in batches}
+    results = []
+    for peer in peers:
+        try:
+            results.append(peer.run_batches(chosen, max_tokens))
+        except (RuntimeError, OSError) as e:
+            print(f"peer {peer.label(batches[0])} failed: {str(e)[:300]}", file=sys.stderr)
+            results.append({})
     cells = []
     for batch in batches:
-        chosen = [prompts[i % len(prompts)] for i in range(batch)]
-        for make in peers:
-            peer = make(batch)
-            try:
-                r = peer.run(chosen, max_tokens)
-            except (RuntimeError, OSError) as e:
-                print(f"peer {peer.label()} at batch {batch} failed: {str(e)[:300]}",
+        for peer, by_batch in zip(peers, results, strict=True):
+            r = by_batch.get(batch)
+            if r is not None and "error" in r:
+                print(f"peer {peer.label(batch)} at batch {batch} failed: {r['error'][:300]}",
                       file=sys.stderr)
-                continue
-            drafted = r.get("draft_n", 0)
-            cell = ThroughputCell(
-                peer.label().split(" ")[0], " ".join(peer.label().split(" ")[1:]) or "plain",
-                batch, r["tok_s"], r["per_seq_tok_s"], r["wall_s"], r["total_tokens"],
-                drafted / max(r["total_tokens"], 1) if drafted else 0.0, 0, 0,
-                r["tok_s"] / max(plain.get(batch, 0.0), 1e-9) if plain.get(batch) else 0.0)
-            cells.append(cell)
-            if on_cell is not None:
-                on_cell(cell)
+            elif r is not None:
+                cells.append(peer_cell(peer.label(batch), batch, r, plain.get(batch, 0.0)))
+                if on_cell is not None:
+                    on_cell(cells[-1])
     return cells
+
+
+def peer_cell(label: str, batch: int, r: dict, plain_tok_s: float) -> ThroughputCell:
+    """A peer's figures at one batch size as a cell: its label's first word is the system, the
+    rest the mode; chosen k = drafted tokens per completion token, where it reports drafts."""
+    system, *mode = label.split(" ")
+    drafted = r.get("draft_n", 0)
+    return ThroughputCell(
+        system, " ".join(mode) or "plain", batch, r["tok_s"], r["per_seq_tok_s"], r["wall_s"],
+        r["total_tokens"], drafted / max(r["total_tokens"], 1) if drafted else 0.0, 0, 0,
+        r["tok_s"] / max(plain_tok_s, 1e-9) if plain_tok_s else 0.0)

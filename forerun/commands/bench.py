@@ -207,7 +207,9 @@ def _throughput(engine: Engine, args, out: Path, meta: dict, console: Console) -
 
 
 def _throughput_peers(args, k: int) -> list:
-    """Factories batch -> peer for --throughput-peers (those not installed skipped, noted)."""
+    """The peers of --throughput-peers (`throughput_peers.BatchPeer`s; those not installed
+    skipped, noted): each vLLM one loads once for every batch size, llama-server starts anew
+    for each (its -np is the batch)."""
     from forerun.bench import throughput_peers as tp
 
     names = set(_csv(args.throughput_peers))
@@ -222,17 +224,18 @@ def _throughput_peers(args, k: int) -> list:
             print(f"vllm {note or 'skipped: no --vllm-model'}", file=sys.stderr)
         else:
             model, draft = Path(args.vllm_model), args.vllm_draft and Path(args.vllm_draft)
-            peers.append(lambda b: tp.VllmOffline(python, model))
+            peers.append(tp.VllmOffline(python, model))
             if draft:
-                peers.append(lambda b: tp.VllmOffline(python, model, draft, k))
+                peers.append(tp.VllmOffline(python, model, draft, k))
     if "llama-server" in names:
         binary, note = tp.peer_path(tp.LLAMA_VAR)
         if binary is None:
             print(f"llama-server {note}", file=sys.stderr)
         else:
             target, draft = open_model(args.target).path, open_model(args.draft).path
-            peers.append(lambda b: tp.LlamaServerPeer(binary, target, parallel=b))
-            peers.append(lambda b: tp.LlamaServerPeer(binary, target, draft, parallel=b, k=k))
+            peers.append(tp.PerBatch(lambda b: tp.LlamaServerPeer(binary, target, parallel=b)))
+            peers.append(tp.PerBatch(
+                lambda b: tp.LlamaServerPeer(binary, target, draft, parallel=b, k=k)))
     return peers
 
 
