@@ -24,7 +24,7 @@ from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model, resolv
 from forerun.models.tokenizer import IncrementalDecoder, TextTokenizer
 from forerun.policy import POLICIES, FixedK, LengthPolicy
 from forerun.profile import ForwardCurve
-from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
+from forerun.propose import AUTO_TREE, AUTO_TREE_MAX, PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.draft_batch import SharedDraftModel
 from forerun.reference import plain_decode
 from forerun.runtime.base import Runtime
@@ -289,19 +289,23 @@ class Engine:
                 raise ValueError("method 'draft' needs a draft model (--draft)")
             shared = SharedDraftModel(self._batch_runtime("draft", self.draft, kv_budget_bytes),
                                       self.target.config.vocab_size)
-        elif spec.method in KINDS:
-            raise ModelError(f"batched decoding does not feed heads the target's features yet; "
-                             f"decode {spec.method} one prompt at a time (generate)")
+        elif spec.method in KINDS and self.heads is not None and not (
+                target.capabilities.exposes(self.heads.cfg.layers)):
+            raise ModelError(f"{spec.method} heads draft from the target's features, which this "
+                             f"runtime's batched passes do not return; use --runtime torch, or "
+                             f"decode one prompt at a time (generate)")
         seqs = []
         for prompt, s, budget in zip(prompts, samplings, budgets, strict=True):
             ids = (self.tokenizer.encode_chat(prompt) if prompt and isinstance(prompt[0], dict)
                    else self.encode(prompt, raw))
             seq = Sequence(ids, s, budget, make_generator(s.seed), self.tokenizer.stop_ids)
             if spec.method != "none":
-                seq.max_k = MAX_BATCH_K if spec.policy == "adaptive" else spec.k
+                seq.max_k = _max_nodes(spec)
+                # each member its own drafter state (and stores: an EAGLE head's cache)
                 seq.proposer = (shared.proposer(len(ids) + budget + seq.max_k + 1) if shared
                                 else PROPOSERS[spec.method](spec, ProposerContext(
-                                    self.target, None, self.heads, self.tokenizer)))
+                                    self.target, None, self.heads, self.tokenizer,
+                                    capacity=len(ids) + budget + seq.max_k + 1)))
                 # the cost policy chooses every member's k together (forerun.batch_policy)
                 seq.policy = (FixedK(spec.k) if spec.policy == "cost" else
                               POLICIES[spec.policy](spec, self.target, seq.proposer.runtime))
@@ -350,6 +354,16 @@ class Engine:
             self._batches[role] = (budget, _batched(runtime, budget))
             self._batch_curves.pop(role, None)
         return self._batches[role][1]
+
+
+def _max_nodes(spec: SpecConfig) -> int:
+    """The most draft nodes one verify pass of a batch member may hold (its cache slack): a
+    chain's k (the adaptive policy's longest), a head tree's node budget (an automatic one's
+    most, and a lookup branch's chain beside it)."""
+    k = MAX_BATCH_K if spec.policy == "adaptive" else spec.k
+    if spec.method not in KINDS or spec.tree == 0:
+        return k + (k if spec.lookup else 0)
+    return (AUTO_TREE_MAX if spec.tree == AUTO_TREE else spec.tree) + (k if spec.lookup else 0)
 
 
 def _batched(runtime: Runtime, budget: int) -> BatchRuntime:

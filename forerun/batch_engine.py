@@ -100,6 +100,62 @@ def step(runtime: BatchRuntime, live: list[Sequence],
     # 1. Propose: prompts for new members, pending token + draft for the others.
     drafts = _propose_all(runtime, live, lengths)
     # 2. Pack every member's new tokens into one pass.
+    batch, trees, first_row = _pack(live, drafts)
+    bases = [runtime.length(s.handle) for s in live]
+    # 3. One target pass over all of them (and the features their heads draft from).
+    output = runtime.forward(batch, _layers_wanted(live, drafts))
+    logits = output.logits  # [R, V], the wanted rows, on the runtime's device
+    best = logits.argmax(-1).tolist()  # [R]: one host sync serves every greedy member
+    now = time.perf_counter()
+    out = []
+    for b, (s, d, tree) in enumerate(zip(live, drafts, trees, strict=True)):
+        rows = batch.rows_of(b)
+        if d is None:  # a prefill: sample the first token from its last row
+            row = first_row[b]
+            first = (best[row] if s.sampling.greedy
+                     else next_token(logits[row].cpu(), s.sampling, s.generator))
+            needs = None if s.proposer is None else s.proposer.needs
+            if needs is not None and needs.hidden_layers and needs.prompt_features:
+                skip = rows.start + needs.hidden_from(len(s.prompt))  # the rows its head reads
+                s.proposer.feed({i: output.hidden[i][skip:rows.stop] for i in needs.hidden_layers})
+            out.append(_emit(runtime, s, [first], 0, 0, now, prefill=True))
+            continue
+        # 4. Verify on the member's own rows.
+        mine = slice(first_row[b], first_row[b] + len(d.tokens) + 1)
+        if s.proposer is None:  # plain decoding: the token plain_decode would draw
+            token = best[mine.start] if s.sampling.greedy else next_token(
+                logits[mine.start].cpu(), s.sampling, s.generator)
+            verdict = TreeVerdict([token], [])
+        elif s.sampling.greedy:
+            verdict = greedy_accept(tree, d.tokens, torch.tensor(best[mine]))
+        else:
+            p = logits_to_probs(logits[mine].cpu(), s.sampling)  # [N_b+1, V]
+            verdict = (rejection_sample(d.tokens, p, d.q, s.generator) if tree.is_chain
+                       else recursive_rejection_sample(tree, d.tokens, p, d.q, s.generator))
+        # 5. Commit the accepted path in the cache and the drafter (and its features).
+        kept = [0, *(i + 1 for i in verdict.path)]  # the member's rows now final
+        runtime.commit(s.handle, bases[b], kept)
+        s.tokens.extend(verdict.tokens)
+        drafted = max(tree.depth, default=0)
+        if s.proposer is not None:
+            s.proposer.commit(len(s.tokens) - 1)
+            if s.proposer.needs.hidden_layers:
+                at = torch.tensor(kept) + rows.start  # [n] rows of the packed pass
+                s.proposer.feed({i: output.hidden[i][at] for i in s.proposer.needs.hidden_layers})
+            # 6. Adapt the member's draft length.
+            s.policy.update(drafted, len(verdict.path))
+            if lengths is not None:
+                lengths.update(id(s), drafted, len(verdict.path))
+        # 7. Emit.
+        out.append(_emit(runtime, s, verdict.tokens, drafted, len(verdict.path), now))
+    return out
+
+
+def _pack(live: list[Sequence], drafts: list[Draft | None]
+          ) -> tuple[PackedBatch, list[TokenTree | None], list[int]]:
+    """The pass's PackedBatch (a prefill's prompt, a verify's pending token + draft), each
+    member's draft tree, and the first of its rows among the wanted logits (a prefill wants its
+    last row, a verify every row; logit_rows None where that is every row of the pass)."""
     feeds, trees = [], []
     for s, d in zip(live, drafts, strict=True):
         if d is None:
@@ -112,50 +168,23 @@ def step(runtime: BatchRuntime, live: list[Sequence],
         [(s.handle, f) for s, f in zip(live, feeds, strict=True)],
         positions=[None if t is None or t.is_chain else t.positions(0) for t in trees],
         tree_masks=[None if t is None or t.is_chain else t.mask() for t in trees])
-    wanted, first_row = [], []  # logits of a prefill's last row, of every row of a verify
+    wanted, first_row = [], []
     for b, d in enumerate(drafts):
         first_row.append(len(wanted))
         rows = batch.rows_of(b)
         wanted.extend([rows.stop - 1] if d is None else range(rows.start, rows.stop))
-    batch = replace(batch, logit_rows=torch.tensor(wanted))
-    bases = [runtime.length(s.handle) for s in live]
-    # 3. One target pass over all of them.
-    logits = runtime.forward(batch).logits  # [R, V], the wanted rows
-    best = logits.argmax(-1).tolist()  # [R]: one host sync serves every greedy member
-    now = time.perf_counter()
-    out = []
-    for b, (s, d, tree) in enumerate(zip(live, drafts, trees, strict=True)):
-        if d is None:  # a prefill: sample the first token from its last row
-            row = first_row[b]
-            first = (best[row] if s.sampling.greedy
-                     else next_token(logits[row], s.sampling, s.generator))
-            out.append(_emit(runtime, s, [first], 0, 0, now, prefill=True))
-            continue
-        # 4. Verify on the member's own rows.
-        rows = slice(first_row[b], first_row[b] + len(d.tokens) + 1)
-        if s.proposer is None:  # plain decoding: the token plain_decode would draw
-            token = best[rows.start] if s.sampling.greedy else next_token(
-                logits[rows.start], s.sampling, s.generator)
-            verdict = TreeVerdict([token], [])
-        elif s.sampling.greedy:
-            verdict = greedy_accept(tree, d.tokens, torch.tensor(best[rows]))
-        else:
-            p = logits_to_probs(logits[rows], s.sampling)  # [N_b+1, V]
-            verdict = (rejection_sample(d.tokens, p, d.q, s.generator) if tree.is_chain
-                       else recursive_rejection_sample(tree, d.tokens, p, d.q, s.generator))
-        # 5. Commit the accepted path in the cache and the drafter.
-        runtime.commit(s.handle, bases[b], [0, *(i + 1 for i in verdict.path)])
-        s.tokens.extend(verdict.tokens)
-        drafted = max(tree.depth, default=0)
-        if s.proposer is not None:
-            s.proposer.commit(len(s.tokens) - 1)
-            # 6. Adapt the member's draft length.
-            s.policy.update(drafted, len(verdict.path))
-            if lengths is not None:
-                lengths.update(id(s), drafted, len(verdict.path))
-        # 7. Emit.
-        out.append(_emit(runtime, s, verdict.tokens, drafted, len(verdict.path), now))
-    return out
+    every = wanted == list(range(len(batch.tokens)))
+    return replace(batch, logit_rows=None if every else torch.tensor(wanted)), trees, first_row
+
+
+def _layers_wanted(live: list[Sequence], drafts: list[Draft | None]) -> tuple[int, ...]:
+    """The target layers this pass returns: those its members' heads read from its rows (a
+    prefill's only where the head reads the prompt's features)."""
+    layers: set[int] = set()
+    for s, d in zip(live, drafts, strict=True):
+        if s.proposer is not None and (d is not None or s.proposer.needs.prompt_features):
+            layers.update(s.proposer.needs.hidden_layers)
+    return tuple(sorted(layers))
 
 
 def _propose_all(runtime: BatchRuntime, live: list[Sequence],
@@ -188,9 +217,10 @@ def _propose_all(runtime: BatchRuntime, live: list[Sequence],
 
 
 def _room(runtime: BatchRuntime, s: Sequence) -> int:
-    """Draft nodes a verify pass of `s` may hold: its region's slots after the pending token,
-    and its max_k."""
-    return min(runtime.reserved(s.handle) - len(s.tokens), s.max_k)
+    """Draft nodes a verify pass of `s` may hold: its region's slots after the pending token
+    (and the rows its drafter adds to a pass), and its max_k."""
+    extra = 0 if s.proposer is None else s.proposer.needs.extra_rows
+    return min(runtime.reserved(s.handle) - len(s.tokens) - extra, s.max_k)
 
 
 def _emit(runtime: BatchRuntime, s: Sequence, tokens: list[int], drafted: int,

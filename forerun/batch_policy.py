@@ -127,7 +127,7 @@ def measure_batch_curve(runtime: BatchRuntime, vocab_size: int,
                 batch = PackedBatch.of([(s, ids[context:context + t])
                                         for s, t in zip(used, split, strict=True)])
                 start = perf_counter()
-                runtime.forward(batch)
+                runtime.forward(batch).logits.argmax(-1).tolist()  # synced, as a step is
                 elapsed = perf_counter() - start
                 for s in used:
                     runtime.truncate(s, context)

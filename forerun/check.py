@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import forerun.engine as decode_loop
+import forerun.batch_engine as decode_loop
 from forerun.api import Engine
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
@@ -112,7 +112,7 @@ VERIFIERS = {"rejection": EXACT, "accept-all": ACCEPT_ALL}
 
 @contextmanager
 def _in_engine(verifier: Verifier) -> Iterator[None]:
-    """The engine's loop with `verifier`'s samplers (the self-test); forerun.engine looks them
+    """The engine's loop with `verifier`'s samplers (the self-test); forerun.batch_engine looks them
     up as module globals, swapped here for the duration and always restored."""
     if verifier is EXACT:  # the engine as it ships
         yield

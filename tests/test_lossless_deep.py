@@ -13,7 +13,7 @@ proposed at each depth (`Recorder`, a wrapper around the proposer) and asserts t
 case is a one-token draft in disguise.
 
 Power: the engine-level test with a broken verifier injected (tests/exact.py's chain mutants in
-place of forerun.engine.rejection_sample under the draft model, its tree mutants in place of
+place of forerun.batch_engine.rejection_sample under the draft model, its tree mutants in place of
 recursive_rejection_sample under TopTwoTree) must fail. Each mutant's exact distribution over
 the NEW tokens is computed (every draft, every verdict, every later step: `engine_joint`; with
 the real verifier it is the target's joint to 1e-16), and from it the test's power (noncentral
@@ -48,13 +48,13 @@ from exact import (
     verdict_distribution,
 )
 
-import forerun.engine
+import forerun.batch_engine
 from forerun.engine import speculative_decode
 from forerun.policy import AdaptiveK, CostModelK, FixedK
 from forerun.profile import ForwardCurve
+from forerun.propose import HEAD_PROPOSERS
 from forerun.propose.base import Draft, Needs
 from forerun.propose.draft_model import DraftModelProposer
-from forerun.propose.heads import HeadProposer
 from forerun.propose.ngram import NgramProposer
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.tree import TokenTree
@@ -188,7 +188,7 @@ def test_deep_head_drafts_match_the_target_joint(name):
     target = heads_target()
     heads = random_heads(kind, target, scale=0.5)
     new_tokens = K + 2
-    proposer = HeadProposer(heads, target.capacity, budget, 2)
+    proposer = HEAD_PROPOSERS[kind](heads, target.capacity, budget, 2)
     counts, depths = empirical(proposer, lambda: FixedK(K), sampling, new_tokens, HEAD_RUNS,
                                target=target)
     # every first step grows the tree K levels deep (the budget keeps some node at each)
@@ -205,7 +205,7 @@ class TopTwoTree:
     the sequence, each with its own two likeliest children (q = None). Its tree after any
     prefix is computable (`tree_case`), so the engine's exact output distribution is too."""
 
-    name, runtime, needs = "top-two", None, Needs()  # the tokens alone
+    name, runtime, needs, group = "top-two", None, Needs(), None  # the tokens alone
 
     def __init__(self, sampling: SamplingConfig):
         self.sampling = sampling
@@ -297,10 +297,10 @@ def test_the_engine_with_a_mutant_verifier_fails(name, monkeypatch):
     ALPHA (it does not with the probability stated in MUTANTS)."""
     bug, is_tree, _ = MUTANTS[name]
     if is_tree:
-        monkeypatch.setattr(forerun.engine, "recursive_rejection_sample", tree_mutant(bug))
+        monkeypatch.setattr(forerun.batch_engine, "recursive_rejection_sample", tree_mutant(bug))
         proposer, K = TopTwoTree(TEMPERATURE), TREE_K
     else:
-        monkeypatch.setattr(forerun.engine, "rejection_sample", chain_mutant(bug))
+        monkeypatch.setattr(forerun.batch_engine, "rejection_sample", chain_mutant(bug))
         proposer, K = draft_proposer(), CHAIN_K
     counts, depths = empirical(proposer, lambda: FixedK(K), TEMPERATURE, K + 2)
     assert depths[K] >= RUNS  # as deep as the passing tests' drafts

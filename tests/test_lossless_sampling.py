@@ -27,7 +27,7 @@ import torch
 from conftest import tiny_runtime
 from scipy.stats import chisquare
 
-import forerun.engine
+import forerun.batch_engine
 from forerun.engine import speculative_decode
 from forerun.policy import AdaptiveK, CostModelK, FixedK
 from forerun.profile import ForwardCurve
@@ -130,6 +130,6 @@ def test_a_broken_verifier_fails_the_same_test(monkeypatch):
         bonus = int(torch.multinomial(p[-1], 1, generator=generator))
         return Verdict([*draft_tokens.tolist(), bonus], draft_tokens.shape[0])
 
-    monkeypatch.setattr(forerun.engine, "rejection_sample", accept_everything)
+    monkeypatch.setattr(forerun.batch_engine, "rejection_sample", accept_everything)
     cfg = SAMPLINGS["temperature"]
     assert chi_square_pvalue(exact_joint(cfg), empirical("draft", 2, cfg)) < ALPHA

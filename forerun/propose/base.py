@@ -74,6 +74,8 @@ class ProposerContext:
     # state kept across the proposers built for one sequence, by name (an EAGLE head's cache
     # and recorded graphs); the engine that builds them owns it (a drafter's Needs.shared_store)
     stores: dict[str, Any] = field(default_factory=dict)
+    capacity: int | None = None  # the most tokens its sequence will hold (a batch member's
+    # prompt + budget + one pass); None = the target's context. Sizes a drafter's own cache
 
 
 @dataclass

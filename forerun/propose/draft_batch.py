@@ -42,13 +42,13 @@ class SharedDraftModel:
             batch = PackedBatch.of([(requests[i].proposer.handle, feeds[i]) for i in members],
                                    last_only=True)
             logits = self._to_target_vocab(self.runtime.forward(batch).logits)  # [B, V]
-            best = logits.argmax(-1)  # [B]
+            best = logits.argmax(-1).cpu()  # [B]: one host sync for every greedy member
             for row, i in enumerate(members):
                 r = requests[i]
                 if r.sampling.greedy:  # its one-hot row's token; q = None says just that
                     token = best[row]
                 else:
-                    probs = logits_to_probs(logits[row], r.sampling)  # [V]
+                    probs = logits_to_probs(logits[row].cpu(), r.sampling)  # [V]
                     token = sample(probs, r.generator)
                     q[i].append(probs)
                 drafted[i].append(token)

@@ -118,7 +118,8 @@ class BatchRuntime(Protocol):
 
     def forward(self, batch: PackedBatch, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """One pass over every member -> logits [R, V] of batch.logit_rows (every row when
-        None), on the CPU, and hidden states layer -> [N, D]."""
+        None), on the runtime's device (the step takes one argmax there and copies a sampled
+        member's rows only), and hidden states layer -> [N, D]."""
         ...
 
 
@@ -279,7 +280,7 @@ class BatchTorchRuntime:
         _, logits = self.single.head(rows)  # [R, V]
         if -1 in hidden_layers:  # the final normed state of every row, as the heads read it
             hidden[-1] = rms_norm(x, model.norm, self.config.norm_eps)
-        return ForwardOutput(logits.cpu(), hidden)
+        return ForwardOutput(logits, hidden)  # on the device: the step syncs once
 
     def _block(self, layer, i: int, x, cos, sin, batch: PackedBatch, regions, starts, masks):
         """One decoder block over the packed rows x [N, D]: q/k/v, output and MLP matmuls over
