@@ -34,7 +34,7 @@ def test_throughput_bench_writes_every_cell_and_stays_identical(tiny_dirs, tmp_p
     assert [(c["mode"], c["batch"]) for c in summary["cells"]] == [
         ("off", 1), ("fixed", 1), ("cost", 1), ("off", 3), ("fixed", 3), ("cost", 3)]
     saved = json.loads((tmp_path / "throughput.json").read_text())
-    assert all(c["identical"] == 1.0 for c in saved["cells"])
+    assert all(c["identical"] == c["solo"] == 1.0 for c in saved["cells"])
     assert all(c["total_tok_s"] > 0 and c["peak_kv_bytes"] > 0 for c in saved["cells"])
     fixed = [c for c in saved["cells"] if c["mode"] == "fixed"]
     assert all(c["chosen_k"] > 0 for c in fixed)
@@ -48,9 +48,9 @@ def test_modes_and_rows():
     with pytest.raises(ValueError, match="unknown mode"):
         spec_of("turbo", "draft", 4)
     cell = ThroughputCell("forerun", "fixed", 8, 40.0, 5.0, 2.0, 80, 2.5, 3 << 20, 1 << 30,
-                          1.5, 1.0)
+                          1.5, 1.0, 0.75)
     assert rows([cell]) == [("forerun", "fixed", "8", "40.0", "5.00", "1.50x", "2.50", "3",
-                             "1.00")]
+                             "1.00", "0.75")]
     assert "| forerun | fixed | 8 |" in markdown([cell], "t")
 
 
