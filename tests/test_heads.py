@@ -35,14 +35,14 @@ from forerun.heads import (
     w8a8_available,
 )
 from forerun.policy import FixedK
-from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
+from forerun.propose import HEAD_PROPOSERS, PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.base import Draft, Needs
+from forerun.propose.eagle import EagleProposer
 from forerun.propose.heads import (
     AUTO_TREE,
     AUTO_TREE_MAX,
     CATCHUP_ROWS,
     MIN_IDLE,
-    HeadProposer,
     next_depth,
 )
 from forerun.propose.ngram import LOOKUP_PRIOR_PER_N, LookupBranch, run_prior
@@ -134,8 +134,8 @@ def test_an_automatic_device_tree_grows_as_deep_as_its_cuts_keep():
     assert next_depth([-1, 0, 1, 2], 4) == 8
     assert next_depth([-1, -1, 0], 8) == 4
     target = tiny_runtime(0)
-    proposer = HeadProposer(random_heads("eagle", target), target.capacity, AUTO_TREE, 2,
-                            verify=lambda n: 1.0, static=True)  # a flat curve keeps all
+    proposer = EagleProposer(random_heads("eagle", target), target.capacity, AUTO_TREE, 2,
+                             verify=lambda n: 1.0, static=True)  # a flat curve keeps all
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
     depths = []
     for step in speculative_decode(target, proposer, FixedK(16), prompt, GREEDY, 12, (),
@@ -256,8 +256,8 @@ def test_best_budget_follows_the_verify_curve():
 def test_auto_tree_budget_is_cut_by_the_curve_and_calibrated():
     target = tiny_runtime(0)
     heads = random_heads("eagle", target)
-    flat = HeadProposer(heads, target.capacity, AUTO_TREE, 3, verify=lambda n: 1.0)
-    steep = HeadProposer(heads, target.capacity, AUTO_TREE, 3, verify=lambda n: float(n))
+    flat = EagleProposer(heads, target.capacity, AUTO_TREE, 3, verify=lambda n: 1.0)
+    steep = EagleProposer(heads, target.capacity, AUTO_TREE, 3, verify=lambda n: float(n))
     sizes, drafts = [], []
     for proposer in (flat, steep):
         proposer.prefill(PROMPT_T)
@@ -290,16 +290,16 @@ def test_a_backlog_catch_up_is_priced_as_a_drafting_step(monkeypatch):
     # the head's seconds a step count its catch-up over at most CATCHUP_ROWS features: a
     # prompt's (or a rest's) backlog is a one-off, not what each drafting step costs
     target = tiny_runtime(0)
-    proposer = HeadProposer(random_heads("eagle", target), target.capacity, AUTO_TREE, 3,
-                            verify=lambda n: float(n))
+    proposer = EagleProposer(random_heads("eagle", target), target.capacity, AUTO_TREE, 3,
+                             verify=lambda n: float(n))
     proposer.prefill(PROMPT_T)
     target.truncate(0)
     proposer.feed(target.forward(torch.tensor(PROMPT_T), hidden_layers=(-1,)).hidden)
     clock = iter([0.0, 10.0, 12.0])  # started, the root (catch-up) done, the tree done
     monkeypatch.setattr("forerun.propose.heads.perf_counter", lambda: next(clock))
     proposer.propose([*PROMPT_T, 1], 3, GREEDY, make_generator(0))
-    rows = proposer._caught_up
-    assert rows == len(PROMPT_T) > CATCHUP_ROWS
+    rows = len(PROMPT_T)  # the prompt's features, caught up in the first step
+    assert proposer.committed == rows > CATCHUP_ROWS
     assert proposer.head_seconds == pytest.approx(2.0 + 10.0 * CATCHUP_ROWS / rows)
 
 
@@ -379,8 +379,8 @@ def test_heads_with_lookup_draft_the_continuation_as_a_path():
     target = tiny_runtime(0)
     prompt = [5, 6, 7, 8, 9, 5, 6, 7]
     for tree in (0, 5):
-        proposer = HeadProposer(random_heads("eagle", target), target.capacity, tree, 2,
-                                lookup=LookupBranch(1, 4))
+        proposer = EagleProposer(random_heads("eagle", target), target.capacity, tree, 2,
+                                 lookup=LookupBranch(1, 4))
         proposer.prefill(prompt)
         target.truncate(0)
         proposer.feed(target.forward(torch.tensor(prompt), hidden_layers=(-1,)).hidden)
@@ -479,11 +479,12 @@ def test_heads_without_prompt_features_equal_plain_greedy(kind, tree):
     reference = [t for s in plain_decode(tiny_runtime(0), PROMPT_T, GREEDY, 40, (),
                                          make_generator(0)) for t in s.tokens]
     target = tiny_runtime(0)
-    proposer = HeadProposer(random_heads(kind, target), target.capacity, tree, 3,
-                            prompt_features=False)
+    proposer = HEAD_PROPOSERS[kind](random_heads(kind, target), target.capacity, tree, 3,
+                                    prompt_features=False)
     out, steps = decode(target, proposer, 3, GREEDY, 40, make_generator(0))
     assert out == reference and steps[1].drafted == 0 and sum(s.drafted for s in steps) > 0
-    assert proposer.first == len(PROMPT_T)  # where EAGLE's cache starts
+    if isinstance(proposer, EagleProposer):
+        assert proposer.first == len(PROMPT_T)  # where its cache starts
 
 
 class OracleTree:
@@ -540,10 +541,11 @@ def test_sampling_with_head_trees_matches_target_joint(kind, tree, sampling, loo
     for _ in range(RUNS):
         t = target()
         if tree == "static":  # static steps, the tree grown in one pass (eager here)
-            proposer = HeadProposer(heads, t.capacity, 5, 2, static=True)
+            proposer = EagleProposer(heads, t.capacity, 5, 2, static=True)
         elif tree == AUTO_TREE:
-            proposer = HeadProposer(heads, t.capacity, AUTO_TREE, 2, verify=lambda n: 1.0,
-                                    lookup=LookupBranch() if lookup else None)
+            proposer = HEAD_PROPOSERS[kind](heads, t.capacity, AUTO_TREE, 2,
+                                            verify=lambda n: 1.0,
+                                            lookup=LookupBranch() if lookup else None)
         else:
             proposer = PROPOSERS[kind](SpecConfig(kind, 2, tree=tree, tree_topk=2),
                                        ProposerContext(t, heads=heads))
@@ -560,6 +562,16 @@ def test_head_methods_need_matching_heads():
     with pytest.raises(ValueError, match="holds medusa heads"):
         PROPOSERS["eagle"](SpecConfig("eagle"), ProposerContext(rt, heads=random_heads("medusa",
                                                                                       rt)))
+
+
+def test_every_head_kind_has_its_proposer():
+    """Each kind's method builds that kind's class (HEAD_PROPOSERS), named after the kind."""
+    rt = tiny_runtime(0)
+    assert set(HEAD_PROPOSERS) == set(KINDS)
+    for kind in KINDS:
+        heads = random_heads(kind, rt)
+        proposer = PROPOSERS[kind](SpecConfig(kind), ProposerContext(rt, heads=heads))
+        assert type(proposer) is HEAD_PROPOSERS[kind] and proposer.name == kind
 
 
 # --- files and training -------------------------------------------------------------------
@@ -872,8 +884,8 @@ def test_eagle_static_steps_draft_as_the_eager_ones(kind, tree):
     for static in (False, True):
         target = tiny_runtime(0)
         heads = random_heads(kind, target)
-        proposer = HeadProposer(heads, target.capacity, tree, 2, verify=lambda n: 1.0 + n / 64,
-                                static=static)
+        proposer = EagleProposer(heads, target.capacity, tree, 2, verify=lambda n: 1.0 + n / 64,
+                                 static=static)
         assert (proposer.static is not None) == static
         drafts, propose = [], proposer.propose
 
@@ -931,9 +943,9 @@ def test_eagle_restarts_its_cache_at_a_window_after_a_rest(static):
     prompt = [1, 2, 3, 4, 5, 1, 2, 3]
     target = tiny_runtime(0)
     steep = [True]
-    proposer = HeadProposer(random_heads("eagle", target), target.capacity, AUTO_TREE, 2,
-                            verify=lambda n: float(n) if steep[0] else 1.0, static=static,
-                            prompt_window=4)
+    proposer = EagleProposer(random_heads("eagle", target), target.capacity, AUTO_TREE, 2,
+                             verify=lambda n: float(n) if steep[0] else 1.0, static=static,
+                             prompt_window=4)
     got, drafted = [], 0
     for step in speculative_decode(target, proposer, FixedK(3), prompt, GREEDY, 48, (),
                                    make_generator(0)):
@@ -953,8 +965,8 @@ def test_eagle_takes_in_a_window_of_the_prompt(static):
     features only (its cache starts there); greedy output still equals plain decoding."""
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
     target = tiny_runtime(0)
-    proposer = HeadProposer(random_heads("eagle", target), target.capacity, 5, 2,
-                            static=static, prompt_window=4)
+    proposer = EagleProposer(random_heads("eagle", target), target.capacity, 5, 2,
+                             static=static, prompt_window=4)
     steps = list(speculative_decode(target, proposer, FixedK(4), prompt, GREEDY, 24, (),
                                     make_generator(0)))
     assert proposer.first == proposer.hidden_from == len(prompt) - 4  # the rows it read

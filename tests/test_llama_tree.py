@@ -301,7 +301,7 @@ def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kin
     import forerun.propose.heads as head_module
     from forerun.engine import speculative_decode
     from forerun.policy import FixedK
-    from forerun.propose.heads import HeadProposer
+    from forerun.propose import HEAD_PROPOSERS
     from forerun.reference import plain_decode
     from forerun.sampling import SamplingConfig, make_generator
 
@@ -325,7 +325,7 @@ def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kin
              for t in s.tokens]
     runs = []
     for target in (reference, rt):
-        proposer = HeadProposer(heads, CTX, tree, 2, None, prompt_features)
+        proposer = HEAD_PROPOSERS[kind](heads, CTX, tree, 2, None, prompt_features)
         drafts, least = [], []  # each step's draft, its smallest top-2 gap
 
         def recorded(*args, propose=proposer.propose, drafts=drafts, least=least):

@@ -10,10 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from forerun.heads import Heads
 from forerun.profile import calibrated_curve
 from forerun.propose.base import Draft, Needs, Proposer, ProposerContext
 from forerun.propose.draft_model import DraftModelProposer
-from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer
+from forerun.propose.eagle import EagleProposer
+from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer, VerifyCurve
+from forerun.propose.medusa import HydraProposer, MedusaProposer
 from forerun.propose.ngram import LookupBranch, NgramProposer
 
 
@@ -38,9 +41,9 @@ class SpecConfig:
         if self.tree < AUTO_TREE or self.tree_topk < 1:
             raise ValueError(f"tree must be >= 0 (or AUTO_TREE = {AUTO_TREE}) and tree_topk "
                              f">= 1, got {self.tree}, {self.tree_topk}")
-        if self.lookup and PROPOSERS.get(self.method) is not _heads:
-            raise ValueError(f"lookup joins a head method's drafts (medusa, hydra, eagle, "
-                             f"eagle3), not {self.method!r}; for lookup alone use --method ngram")
+        if self.lookup and self.method not in HEAD_PROPOSERS:
+            raise ValueError(f"lookup joins a head method's drafts ({', '.join(HEAD_PROPOSERS)}"
+                             f"), not {self.method!r}; for lookup alone use --method ngram")
 
 
 def tree_budget(text: str) -> int:
@@ -62,7 +65,13 @@ def _ngram(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     return NgramProposer(spec.ngram_min, spec.ngram_max)
 
 
-def _heads(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+HeadArgs = tuple[Heads, int, int, int, VerifyCurve | None, bool, LookupBranch | None]
+
+
+def _head_args(spec: SpecConfig, ctx: ProposerContext) -> HeadArgs:
+    """What every head method checks and builds its proposer from: the heads (present, and of
+    the method's kind), the target's capacity, the tree and its verify curve, whether the
+    prompt's features are read, the lookup branch (HeadProposer's arguments, in order)."""
     target, heads = ctx.target, ctx.heads
     if heads is None:
         raise ValueError(f"method {spec.method!r} needs trained heads (--heads PATH; make them "
@@ -75,20 +84,40 @@ def _heads(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     # target here, 0.4 s for a 120-token prompt), heads skip the prompt's features
     prompt_features = not target.capabilities.hidden_costs_logits
     lookup = LookupBranch(spec.ngram_min, spec.ngram_max) if spec.lookup else None
-    return HeadProposer(heads, target.capacity, spec.tree, spec.tree_topk, verify,
-                        prompt_features, lookup, store=ctx.stores)
+    return heads, target.capacity, spec.tree, spec.tree_topk, verify, prompt_features, lookup
 
+
+def _medusa(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    return MedusaProposer(*_head_args(spec, ctx))
+
+
+def _hydra(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    return HydraProposer(*_head_args(spec, ctx))
+
+
+def _eagle(spec: SpecConfig, ctx: ProposerContext) -> Proposer:  # eagle and eagle3
+    return EagleProposer(*_head_args(spec, ctx), store=ctx.stores)
+
+
+# head kind -> its proposer class, for building one directly (tests, benchmarks); every one
+# takes HeadProposer's arguments, EagleProposer also `static`, `store` and `prompt_window`
+HEAD_PROPOSERS: dict[str, type[HeadProposer]] = {
+    "medusa": MedusaProposer,
+    "hydra": HydraProposer,
+    "eagle": EagleProposer,
+    "eagle3": EagleProposer,
+}
 
 ProposerFactory = Callable[[SpecConfig, ProposerContext], Proposer]
 # method -> factory(spec, context)
 PROPOSERS: dict[str, ProposerFactory] = {
     "draft": _draft,
     "ngram": _ngram,
-    "medusa": _heads,
-    "hydra": _heads,
-    "eagle": _heads,
-    "eagle3": _heads,
+    "medusa": _medusa,
+    "hydra": _hydra,
+    "eagle": _eagle,
+    "eagle3": _eagle,
 }
 
-__all__ = ["AUTO_TREE", "PROPOSERS", "Draft", "Needs", "Proposer", "ProposerContext",
-           "ProposerFactory", "SpecConfig", "tree_budget"]
+__all__ = ["AUTO_TREE", "HEAD_PROPOSERS", "PROPOSERS", "Draft", "Needs", "Proposer",
+           "ProposerContext", "ProposerFactory", "SpecConfig", "tree_budget"]
