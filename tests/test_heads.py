@@ -491,7 +491,7 @@ class OracleTree:
     """Knows the greedy continuation; puts a wrong sibling first and the right token second at
     every level, so every verify step accepts a full path off the first branch."""
 
-    name, runtime, needs = "oracle", None, Needs()
+    name, runtime, needs, group = "oracle", None, Needs(), None
 
     def __init__(self, reference: list[int]):
         self.reference = reference

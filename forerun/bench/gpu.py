@@ -34,8 +34,9 @@ from forerun.engine import speculative_decode
 from forerun.heads import KINDS, HeadConfig, Heads, TargetIO
 from forerun.policy import FixedK
 from forerun.profile import calibrated_curve, measure_forward_curve
-from forerun.propose import AUTO_TREE, AUTO_TREE_MAX
+from forerun.propose import AUTO_TREE, AUTO_TREE_MAX, HEAD_PROPOSERS
 from forerun.propose.draft_model import DraftModelProposer
+from forerun.propose.eagle import EagleProposer
 from forerun.propose.heads import HeadProposer
 from forerun.propose.ngram import NgramProposer
 from forerun.reference import plain_decode
@@ -149,8 +150,10 @@ def head_proposer(kind: str, target: TorchRuntime, precision: str, tree: int, he
     proposer of these heads left its cache and graphs in (ProposerContext.stores)."""
     heads = heads or random_heads(kind, target, precision, head)
     verify = calibrated_curve(target, AUTO_TREE_MAX + 1) if tree == AUTO_TREE else None
-    proposer = HeadProposer(heads, target.capacity, tree, topk, verify,
-                            static=False if graphs is False else None, store=store)
+    if HEAD_PROPOSERS[kind] is not EagleProposer:
+        return HEAD_PROPOSERS[kind](heads, target.capacity, tree, topk, verify)
+    proposer = EagleProposer(heads, target.capacity, tree, topk, verify,
+                             static=False if graphs is False else None, store=store)
     if graphs == "levels":
         proposer.tree_on_device = False  # the documented switch the comparison is about
     return proposer
@@ -220,7 +223,7 @@ def check_equality(cfg: GpuCheckConfig, shapes: Shapes, prompt: list[int],
 
 
 def reused_eagle(target: TorchRuntime, prompt: list[int], k: int, head: dict,
-                 n: int) -> HeadProposer:
+                 n: int) -> EagleProposer:
     """A second EAGLE proposer for the same target and heads, as a server's next request gets
     it: after a whole decode of n tokens with the first, it takes over that one's cache and
     graphs."""

@@ -84,7 +84,8 @@ def _head_args(spec: SpecConfig, ctx: ProposerContext) -> HeadArgs:
     # target here, 0.4 s for a 120-token prompt), heads skip the prompt's features
     prompt_features = not target.capabilities.hidden_costs_logits
     lookup = LookupBranch(spec.ngram_min, spec.ngram_max) if spec.lookup else None
-    return heads, target.capacity, spec.tree, spec.tree_topk, verify, prompt_features, lookup
+    capacity = ctx.capacity or target.capacity  # a batch member's own length, else the context
+    return heads, capacity, spec.tree, spec.tree_topk, verify, prompt_features, lookup
 
 
 def _medusa(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
