@@ -3,7 +3,7 @@
 Owns: `SoloBatch`, the `BatchRuntime` over a `Runtime` (torch, llama.cpp, a fork, a test's
 tiny model) whose one cache is the one member. A packed batch of that member becomes one
 `Runtime.forward` (tree positions made absolute), `commit` becomes `truncate` for a chain's
-prefix or `keep` for a tree's path, and each verify pass (every row's logits wanted) is timed
+prefix or `keep` after a tree pass, and each verify pass (every row's logits wanted) is timed
 and shown to the runtime's calibrated cost curve (`forerun.profile.observe_pass`), which prices
 drafts. A second `add` while the member is live is refused (PoolFull): one cache, one sequence.
 """
@@ -25,6 +25,7 @@ class SoloBatch:
         self.capacity = runtime.capacity
         self.capabilities = runtime.capabilities
         self.live = False
+        self.tree = False  # the last pass verified a tree (its commit is a `keep`)
 
     def add(self, tokens: int) -> int:
         if self.live:
@@ -45,10 +46,12 @@ class SoloBatch:
         return self.capacity
 
     def commit(self, seq: int, base: int, rows: list[int]) -> None:
-        if rows == list(range(len(rows))):  # a chain's accepted rows: a prefix
+        if self.tree:  # a tree pass: `keep` (llama.cpp also drops its leaves' sequences)
+            self.runtime.keep(base, rows)
+        elif rows == list(range(len(rows))):  # a chain's accepted rows: a prefix
             self.runtime.truncate(base + len(rows))
         else:
-            self.runtime.keep(base, rows)
+            raise ValueError(f"a chain pass keeps a prefix of its rows, not {rows}")
 
     def truncate(self, seq: int, length: int) -> None:
         self.runtime.truncate(length)
@@ -67,6 +70,7 @@ class SoloBatch:
         if rows is not None and not last_only and rows.tolist() != list(range(n)):
             raise ValueError("a one-sequence pass returns its last row's logits or every row's")
         mask = batch.tree_masks[0] if batch.tree_masks else None
+        self.tree = mask is not None
         positions = None if batch.positions is None else batch.positions + base  # [N]
         started = time.perf_counter()
         out = self.runtime.forward(batch.tokens, positions=positions, tree_mask=mask,
