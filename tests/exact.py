@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from scipy.stats import chi2, ncx2
 
+from forerun.runtime.base import Capabilities
 from forerun.sampling import sample
 from forerun.tree import TokenTree
 from forerun.verify import TreeVerdict, Verdict, rejection_sample
@@ -368,6 +369,7 @@ class TableRuntime:
     accepted rows as a model's cache would."""
 
     curve = None  # no calibrated forward-time curve (forerun.profile)
+    capabilities = Capabilities()  # tokens in, logits out: nothing optional
 
     def __init__(self, model: TableModel, capacity: int = 256):
         from conftest import tiny_config

@@ -129,9 +129,16 @@ def test_ctrl_c_stops_the_reply_not_the_chat(endless):
     assert again, "no reply before the second Ctrl-C"
     n = min(len(first), len(again)) - 1
     assert again[:n] == first[:n]
-    # Ctrl-C at the prompt: a hint, the prompt again; Ctrl-D then quits with status 0
-    child.sendintr()
-    child.expect_exact("/exit or Ctrl-D quits")
+    # Ctrl-C at the prompt: a hint, the prompt again; Ctrl-D then quits with status 0. A press
+    # that lands while readline is still setting up the terminal can be lost (seen once, on a
+    # loaded CI machine): press again, at most three times in all, before calling it a failure
+    for _ in range(3):
+        child.sendintr()
+        if child.expect_exact(["/exit or Ctrl-D quits", pexpect.TIMEOUT],
+                              timeout=WAIT_S / 3) == 0:
+            break
+    else:
+        pytest.fail("Ctrl-C at the prompt showed no hint after three presses")
     child.expect_exact(PROMPT)
     child.sendeof()
     child.expect(pexpect.EOF)
