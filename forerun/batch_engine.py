@@ -139,8 +139,9 @@ def step(runtime: BatchRuntime, live: list[Sequence],
         drafted = max(tree.depth, default=0)
         if s.proposer is not None:
             s.proposer.commit(len(s.tokens) - 1)
-            if s.proposer.needs.hidden_layers:
-                at = torch.tensor(kept) + rows.start  # [n] rows of the packed pass
+            if s.proposer.needs.hidden_layers:  # a chain's kept rows are a prefix: a view
+                at = (slice(rows.start, rows.start + len(kept)) if tree.is_chain
+                      else torch.tensor(kept) + rows.start)  # [n] rows of the packed pass
                 s.proposer.feed({i: output.hidden[i][at] for i in s.proposer.needs.hidden_layers})
             # 6. Adapt the member's draft length.
             s.policy.update(drafted, len(verdict.path))
