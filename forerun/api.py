@@ -302,10 +302,10 @@ class Engine:
             if spec.method != "none":
                 seq.max_k = _max_nodes(spec)
                 # each member its own drafter state (and stores: an EAGLE head's cache)
-                seq.proposer = (shared.proposer(len(ids) + budget + seq.max_k + 1) if shared
+                seq.proposer = (shared.proposer(seq.slots()) if shared
                                 else PROPOSERS[spec.method](spec, ProposerContext(
                                     self.target, None, self.heads, self.tokenizer,
-                                    capacity=len(ids) + budget + seq.max_k + 1)))
+                                    capacity=seq.slots())))
                 # the cost policy chooses every member's k together (forerun.batch_policy)
                 seq.policy = (FixedK(spec.k) if spec.policy == "cost" else
                               POLICIES[spec.policy](spec, self.target, seq.proposer.runtime))
