@@ -30,8 +30,10 @@ Invariants, for logits that do not depend on the batch a sequence shares:
   forerun's patches llama.cpp's matmuls give every row of such a call the one-token kernels'
   result, and under GGML_FA_TILE_Q (64) rows the flash attention is per row. So a member's
   logits equal, to the bit, those of the same tokens decoded alone or one token a call,
-  whatever it is batched with (tests/test_llama_batch.py). `exact_rows=0` takes n_batch-row
-  calls instead (fewer weight reads for big batches; rows then round by call shape).
+  whatever it is batched with (tests/test_llama_batch.py). `LlamaCppRuntime` prefills in
+  calls of EXACT_ROWS too, so a sequence decoded alone (`forerun generate`) and in a batch
+  agree. `exact_rows=0` takes n_batch-row calls instead (fewer weight reads for big batches;
+  rows then round by call shape).
 Not exact: a pass of one row at >= 512 cells on a machine with more threads than heads takes
 llama.cpp's split-KV attention (see patches/*-avx2.patch), so there a one-member pass rounds
 unlike a batched one. Hidden states are not returned (no heads in batches yet).
@@ -51,13 +53,13 @@ from llama_cpp import llama_cpp as C
 from forerun.runtime.base import ForwardOutput
 from forerun.runtime.batch import Capabilities, PackedBatch, PoolFull
 from forerun.runtime.llama_cpp import (
+    EXACT_ROWS,
     MAX_TREE_LEAVES,
     LlamaCppRuntime,
     _llama_errors,
     _TreePass,
 )
 
-EXACT_ROWS = 48  # rows per llama_decode call whose results are the one-token kernels' (patched)
 MAX_SEQS = 32  # request sequences in one context (Capabilities.max_batch)
 SCRATCH_SEQS = 64  # tree leaves beyond each member's first, over all members of one pass
 KV_BYTES_PER_VALUE = 2  # llama.cpp's default f16 K and V cache
