@@ -62,7 +62,7 @@ class Capabilities:
     final_hidden: bool = False  # returns the final normed state (layer -1), if not the blocks'
     hidden_costs_logits: bool = False  # a hidden row costs an LM-head row (stock llama.cpp)
     reduced_vocab: bool = False  # logits over a kept subset of the vocabulary (limit_vocab)
-    static_passes: bool = False  # static decode passes that warm_up() records ahead of use
+    static_passes: bool = False  # static decode passes (a one-sequence warm_up() records them)
     cuda_graphs: bool = False  # replays static decode passes as CUDA graphs
     tree_masks: bool = True  # a pass may verify a token tree (tree_mask, positions)
     max_batch: int = 0  # batched runtimes: most sequences in one pass (0 = as many as fit)

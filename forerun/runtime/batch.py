@@ -19,6 +19,10 @@ region; a row's attention never sees another sequence.
     buffer (per layer)  | seq 3 ...........|    free    | seq 1 .....| seq 7 ....... |  free  |
                           ^start  ^length   ^start+size
 
+Decode-sized passes (a few new tokens a member) may run in static shapes instead, replayed as
+CUDA graphs on a GPU (`forerun.runtime.batch_static`): the pool keeps one spare slot past every
+region for their padded rows to write.
+
 Invariants: a member's new tokens are written at region slots length .. length+T-1 and the
 length advances by T; `commit(seq, base, rows)` keeps the pass's rows `rows` (ascending: the
 pending token and an accepted path) as slots base.. and drops the rest (a chain's accepted rows
@@ -33,6 +37,7 @@ from typing import Protocol
 import torch
 
 from forerun.runtime.base import Capabilities, ForwardOutput
+from forerun.runtime.batch_static import BatchStaticPasses
 from forerun.runtime.torch_model import TorchRuntime, attend, rms_norm, rope_tables
 
 
@@ -130,10 +135,13 @@ class Region:
     length: int = 0  # slots holding cached tokens
 
 
+SPARE_SLOTS = 1  # past the S regions' slots: where a static pass's padded rows write
+
+
 class CachePool:
-    """KV memory for many sequences: one [L, Hkv, S, hd] key and value buffer sized by a byte
-    budget, handed out as contiguous regions (first fit; freed regions merge with their
-    neighbours)."""
+    """KV memory for many sequences: one [L, Hkv, S + 1, hd] key and value buffer sized by a
+    byte budget, its S slots handed out as contiguous regions (first fit; freed regions merge
+    with their neighbours), the last one spare (a static pass's padding)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, budget_bytes: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -142,7 +150,7 @@ class CachePool:
         if self.slots < 1:
             raise ValueError(f"a cache budget of {budget_bytes} bytes holds no token "
                              f"({self.bytes_per_token} bytes each)")
-        shape = (n_layers, n_kv_heads, self.slots, head_dim)
+        shape = (n_layers, n_kv_heads, self.slots + SPARE_SLOTS, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free: list[tuple[int, int]] = [(0, self.slots)]  # (start, size), by start
@@ -192,9 +200,13 @@ class BatchTorchRuntime:
     """Our Transformer over a CachePool: `forward(batch)` runs one pass for every member.
 
     Built from a `TorchRuntime` (its weights, prepacked linears, RoPE tables and LM head are
-    shared, not copied); its own one-sequence cache is left alone."""
+    shared, not copied); its own one-sequence cache is left alone. `static`: run decode-sized
+    passes in static shapes (forerun.runtime.batch_static), CUDA graphs on a GPU (default: as
+    the one-sequence runtime does, which is on a GPU only; True on the CPU runs them eagerly,
+    for tests)."""
 
-    def __init__(self, runtime: TorchRuntime, budget_bytes: int, capacity: int | None = None):
+    def __init__(self, runtime: TorchRuntime, budget_bytes: int, capacity: int | None = None,
+                 static: bool | None = None):
         cfg = runtime.config
         self.config, self.single = cfg, runtime
         self.capacity = min(capacity or runtime.capacity, cfg.context_length)
@@ -203,7 +215,11 @@ class BatchTorchRuntime:
         self.cos, self.sin = runtime.cos, runtime.sin
         if self.cos.shape[0] < self.capacity:  # RoPE tables for every position a member uses
             self.cos, self.sin = rope_tables(cfg, self.capacity, runtime.dtype, runtime.device)
-        self.capabilities = Capabilities(hidden_layers=True, final_hidden=True)
+        static = runtime.capabilities.static_passes if static is None else static
+        graphs = static and runtime.device.type == "cuda"
+        self._static = BatchStaticPasses(self, graphs) if static else None
+        self.capabilities = Capabilities(hidden_layers=True, final_hidden=True,
+                                         static_passes=static, cuda_graphs=graphs)
 
     # --- sequences ------------------------------------------------------------------------
 
@@ -261,6 +277,10 @@ class BatchTorchRuntime:
             if r.length + n > r.size:
                 raise ValueError(f"sequence {batch.seqs[b]}: {r.length} + {n} tokens exceed "
                                  f"its {r.size} reserved slots")
+        if self._static is not None and self._static.fits(batch, hidden_layers):
+            logits, h = self._static.forward(batch, starts)
+            self._advance(batch, regions, starts)
+            return ForwardOutput(logits, {-1: h} if -1 in hidden_layers else {})
         device = self.pool.k.device
         positions = self._positions(batch, starts).to(device)  # [N]
         cos, sin = self.cos[positions], self.sin[positions]  # [N, hd]
@@ -274,13 +294,18 @@ class BatchTorchRuntime:
             x = self._block(layer, i, x, cos, sin, batch, regions, starts, masks)
             if i in hidden_layers:
                 hidden[i] = x
-        for b, r in enumerate(regions):
-            r.length = starts[b] + batch.cu[b + 1] - batch.cu[b]
+        self._advance(batch, regions, starts)
         rows = x if batch.logit_rows is None else x[batch.logit_rows.to(device)]
         _, logits = self.single.head(rows)  # [R, V]
         if -1 in hidden_layers:  # the final normed state of every row, as the heads read it
             hidden[-1] = rms_norm(x, model.norm, self.config.norm_eps)
         return ForwardOutput(logits, hidden)  # on the device: the step syncs once
+
+    @staticmethod
+    def _advance(batch: PackedBatch, regions: list[Region], starts: list[int]) -> None:
+        """Every member's cache now holds its new tokens too."""
+        for b, r in enumerate(regions):
+            r.length = starts[b] + batch.cu[b + 1] - batch.cu[b]
 
     def _block(self, layer, i: int, x, cos, sin, batch: PackedBatch, regions, starts, masks):
         """One decoder block over the packed rows x [N, D]: q/k/v, output and MLP matmuls over

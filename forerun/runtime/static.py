@@ -35,7 +35,7 @@ import torch.nn.functional as F
 STATIC_SIZES = (1, 2, 4, 8, 16, 32, 64)  # padded pass sizes, each captured at its first use
 
 
-class _Recorded:
+class Recorded:
     """Padded sizes of one static pass over one cache of `capacity` slots, each size's buffers
     (and graph) made at its first use by `_make(B)`; a pass of T rows at start runs at the
     smallest size B >= T, where slots start..start+B-1 exist."""
@@ -62,11 +62,11 @@ class _Recorded:
         if p is None:
             p = self._sized[key] = self._make(B, span)
         p.load(*inputs)
-        _launch(p, self.graphs, self._pool)
+        launch(p, self.graphs, self._pool)
         return p
 
 
-class StaticPasses(_Recorded):
+class StaticPasses(Recorded):
     """The static passes of one runtime (its KV cache): buffers and graphs per padded size."""
 
     def __init__(self, runtime, graphs: bool, spans: bool = False):
@@ -142,14 +142,16 @@ class _Pass:
         self.hidden.copy_(h)
         self.logits.copy_(logits)
 
-def static_block(layer, x, cos, sin, k_cache, v_cache, slots, mask):
+def static_block(layer, x, cos, sin, k_cache, v_cache, slots, mask, span: int | None = None):
     """`Block.forward` with data-dependent cache slots: x [B, D]; k_cache, v_cache [Hkv, C, hd];
-    slots [B]; mask [B, C] bool over the whole cache."""
+    slots [B]; mask [B, C] bool over the whole cache (with a `span`: [B, span] over its first
+    `span` slots, the rows still writing anywhere in it)."""
     q, k, v = layer.qkv(x, cos, sin)  # [H, B, hd], [Hkv, B, hd] x2
     k_cache.index_copy_(1, slots, k)
     v_cache.index_copy_(1, slots, v)
+    keys, values = (k_cache, v_cache) if span is None else (k_cache[:, :span], v_cache[:, :span])
     attn = F.scaled_dot_product_attention(
-        q.unsqueeze(0), k_cache.unsqueeze(0), v_cache.unsqueeze(0),
+        q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
         attn_mask=mask, enable_gqa=True)  # [1, H, B, hd]
     return layer.finish(x, attn)
 
@@ -186,7 +188,7 @@ def span_of(end: int, capacity: int) -> int:
     return min(span, capacity)
 
 
-class StaticHeadSteps(_Recorded):
+class StaticHeadSteps(Recorded):
     """An EAGLE head's step (fc, its decoder layer, logits, log-softmax) in static shapes over
     one proposer's head cache, replayed as CUDA graphs on a GPU (eagerly on the CPU, in tests).
     A step of T rows runs at the smallest size B >= T: rows past T are padding that sees only
@@ -311,7 +313,7 @@ class StaticEagleTree:
         if g is None:
             g = self._shaped[key] = _Grow(self, *key)
         g.load(root_o, root_lp, root_pos, slot)
-        _launch(g, self.graphs, self._pool)
+        launch(g, self.graphs, self._pool)
         scores, tokens, parents = g.out.cpu()  # [3, M] float64: one copy to the host
         return scores.tolist(), tokens.long().tolist(), parents.long().tolist()
 
@@ -375,7 +377,7 @@ class _Grow:
         self.out[2].copy_(torch.cat([p for _, _, p in found]))
 
 
-def _launch(p, graphs: bool, pool) -> None:
+def launch(p, graphs: bool, pool) -> None:
     """Run a static pass `p` over its loaded buffers: eagerly (the CPU), else its CUDA graph,
     recorded at first use."""
     if not graphs:
