@@ -84,6 +84,8 @@ def logits_to_probs_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig]
     R, V = logits.shape
     if len(configs) != R:
         raise SamplingError(f"{len(configs)} sampling configurations for {R} rows")
+    if len(set(configs)) == 1:  # one configuration for every row: the per-row transform itself
+        return logits_to_probs(logits, configs[0])
     device, tiny = logits.device, torch.finfo(logits.dtype).tiny
     greedy = torch.tensor([c.greedy for c in configs], device=device)  # [R]
     temperature = torch.tensor([[max(c.temperature, tiny)] for c in configs],

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from forerun.sampling import row_sums
-from forerun.verify import Verdict
+from forerun.verify import Verdict, rejection_sample
 
 
 def batch_rejection_sample(
@@ -37,8 +37,9 @@ def batch_rejection_sample(
         raise ValueError(f"{B} drafts, {len(q)} q's and {len(generators)} generators")
     if len({id(g) for g in generators}) < B:
         raise ValueError("each member draws from its own generator (the draws' order is its own)")
-    if B == 0:
-        return []
+    if B <= 1:  # a batch of one is rejection_sample itself (the same draws, fewer small ops)
+        return [rejection_sample(t, p, b_q, g) for t, b_q, g in zip(draft_tokens, q, generators,
+                                                                   strict=True)]
     device = p.device
     K = torch.tensor([len(t) for t in draft_tokens], device=device)  # [B]
     first_p = torch.cumsum(K + 1, 0) - (K + 1)  # [B] member b's first row of p
