@@ -8,9 +8,10 @@ length policy, generator, sampling, limits), and `step`, the phases of one pass 
   2. pack      every member's new tokens into one PackedBatch (pending token + draft; a tree
                with its mask and depths)
   3. forward   one target pass over all of them
-  4. verify    per member, on its own rows: greedy from one argmax over the batch, or
-               rejection sampling with its own generator (seeded requests reproduce whatever
-               they are batched with)
+  4. verify    each member on its own rows: greedy from one argmax over the batch; sampled
+               members through one probability transform and one batched rejection sampler,
+               each with its own generator (seeded requests reproduce whatever they are
+               batched with)
   5. commit    each member's cache keeps its accepted path; its drafter forgets the rest
   6. adapt     each member's policy sees what was accepted
   7. emit      stop tokens, token budgets and context room, as the one-sequence loop
@@ -34,15 +35,11 @@ from forerun.metrics import Step
 from forerun.policy import LengthPolicy
 from forerun.propose.base import BatchDrafter, Draft, DraftRequest, Proposer
 from forerun.runtime.batch import BatchRuntime, PackedBatch, PoolFull
-from forerun.sampling import SamplingConfig, logits_to_probs, next_token
+from forerun.sampling import SamplingConfig, logits_to_probs_rows
 from forerun.stopping import check_prompt, cut
 from forerun.tree import TokenTree
-from forerun.verify import (
-    TreeVerdict,
-    greedy_accept,
-    recursive_rejection_sample,
-    rejection_sample,
-)
+from forerun.verify import TreeVerdict, Verdict, greedy_accept, recursive_rejection_sample
+from forerun.verify_batch import batch_rejection_sample
 
 
 @dataclass
@@ -104,34 +101,19 @@ def step(runtime: BatchRuntime, live: list[Sequence],
     bases = [runtime.length(s.handle) for s in live]
     # 3. One target pass over all of them (and the features their heads draft from).
     output = runtime.forward(batch, _layers_wanted(live, drafts))
-    logits = output.logits  # [R, V], the wanted rows, on the runtime's device
-    best = logits.argmax(-1).tolist()  # [R]: one host sync serves every greedy member
+    # 4. Verify every member on its own rows.
+    verdicts = _verify_all(live, drafts, trees, first_row, output.logits)
     now = time.perf_counter()
     out = []
-    for b, (s, d, tree) in enumerate(zip(live, drafts, trees, strict=True)):
+    for b, (s, d, tree, verdict) in enumerate(zip(live, drafts, trees, verdicts, strict=True)):
         rows = batch.rows_of(b)
-        if d is None:  # a prefill: sample the first token from its last row
-            row = first_row[b]
-            first = (best[row] if s.sampling.greedy
-                     else next_token(logits[row].cpu(), s.sampling, s.generator))
+        if d is None:  # a prefill: its first token came from its last row
             needs = None if s.proposer is None else s.proposer.needs
             if needs is not None and needs.hidden_layers and needs.prompt_features:
                 skip = rows.start + needs.hidden_from(len(s.prompt))  # the rows its head reads
                 s.proposer.feed({i: output.hidden[i][skip:rows.stop] for i in needs.hidden_layers})
-            out.append(_emit(runtime, s, [first], 0, 0, now, prefill=True))
+            out.append(_emit(runtime, s, verdict.tokens, 0, 0, now, prefill=True))
             continue
-        # 4. Verify on the member's own rows.
-        mine = slice(first_row[b], first_row[b] + len(d.tokens) + 1)
-        if s.proposer is None:  # plain decoding: the token plain_decode would draw
-            token = best[mine.start] if s.sampling.greedy else next_token(
-                logits[mine.start].cpu(), s.sampling, s.generator)
-            verdict = TreeVerdict([token], [])
-        elif s.sampling.greedy:
-            verdict = greedy_accept(tree, d.tokens, torch.tensor(best[mine]))
-        else:
-            p = logits_to_probs(logits[mine].cpu(), s.sampling)  # [N_b+1, V]
-            verdict = (rejection_sample(d.tokens, p, d.q, s.generator) if tree.is_chain
-                       else recursive_rejection_sample(tree, d.tokens, p, d.q, s.generator))
         # 5. Commit the accepted path in the cache and the drafter (and its features).
         kept = [0, *(i + 1 for i in verdict.path)]  # the member's rows now final
         runtime.commit(s.handle, bases[b], kept)
@@ -150,6 +132,53 @@ def step(runtime: BatchRuntime, live: list[Sequence],
         # 7. Emit.
         out.append(_emit(runtime, s, verdict.tokens, drafted, len(verdict.path), now))
     return out
+
+
+def _verify_all(live: list[Sequence], drafts: list[Draft | None], trees: list[TokenTree | None],
+                first_row: list[int], logits: torch.Tensor) -> list[Verdict | TreeVerdict]:
+    """Every member's verdict from the pass's wanted rows `logits` [R, V]. Greedy members read
+    one argmax over the batch (one host sync); sampled members' rows go to the host in one
+    copy, through one probability transform (each row under its member's sampling), and the
+    chains among them (a prefill or a plain step is a chain of no draft tokens) through one
+    batched rejection sampler, each drawing from its own generator; trees walk their own rows.
+    The transform runs on the host as each member's did alone: its bits are then the same in
+    any batch (a device's reductions round by the batch's shape)."""
+    best = logits.argmax(-1).tolist()  # [R]
+    spans = [range(f, f + (1 if d is None else len(d.tokens) + 1))
+             for f, d in zip(first_row, drafts, strict=True)]  # each member's wanted rows
+    verdicts: list[Verdict | TreeVerdict | None] = [None] * len(live)
+    sampled = []
+    for b, (s, d, tree) in enumerate(zip(live, drafts, trees, strict=True)):
+        if not s.sampling.greedy:
+            sampled.append(b)
+        elif d is None or s.proposer is None:  # the argmax, as plain decoding takes it
+            verdicts[b] = TreeVerdict([best[spans[b].start]], [])
+        else:
+            verdicts[b] = greedy_accept(tree, d.tokens, torch.tensor(best[spans[b].start:
+                                                                          spans[b].stop]))
+    if sampled:
+        rows = [r for b in sampled for r in spans[b]]
+        p = logits_to_probs_rows(logits[rows].cpu(), [live[b].sampling for b in sampled
+                                                      for _ in spans[b]])  # [R_s, V]
+        at, start = {}, 0
+        for b in sampled:  # member b's rows of p
+            at[b], start = slice(start, start + len(spans[b])), start + len(spans[b])
+        chains = [b for b in sampled if trees[b] is None or trees[b].is_chain]
+        for b, v in zip(chains, batch_rejection_sample(
+                [_draft_tokens(drafts[b]) for b in chains], torch.cat([p[at[b]] for b in chains]),
+                [None if drafts[b] is None else drafts[b].q for b in chains],
+                [live[b].generator for b in chains]), strict=True):
+            verdicts[b] = v
+        for b in (b for b in sampled if verdicts[b] is None):  # the trees
+            d = drafts[b]
+            verdicts[b] = recursive_rejection_sample(trees[b], d.tokens, p[at[b]], d.q,
+                                                     live[b].generator)
+    return verdicts
+
+
+def _draft_tokens(d: Draft | None) -> torch.Tensor:
+    """A chain's draft tokens [K] (none for a prefill)."""
+    return torch.empty(0, dtype=torch.long) if d is None else d.tokens
 
 
 def _pack(live: list[Sequence], drafts: list[Draft | None]

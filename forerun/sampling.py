@@ -1,14 +1,16 @@
 """Logits -> probabilities -> tokens. Pure functions; randomness comes in as a torch.Generator.
 
 Owns: the sampling configuration and its validation, the temperature / top-k / top-p / min-p
-transforms, and drawing a token. Temperature 0 is greedy: the distribution is one-hot on the
-argmax (first index on ties), so greedy decoding is the T = 0 case of everything downstream,
-rejection sampling included.
+transforms (one configuration, or one per row of a packed batch: `logits_to_probs_rows`, equal
+bit for bit to `logits_to_probs` of each row), and drawing a token. Temperature 0 is greedy:
+the distribution is one-hot on the argmax (first index on ties), so greedy decoding is the
+T = 0 case of everything downstream, rejection sampling included.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +71,61 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
     if cfg.min_p > 0:
         probs = probs.masked_fill(probs < cfg.min_p * probs.amax(-1, keepdim=True), 0.0)
-    return probs / probs.sum(-1, keepdim=True)
+    return probs / row_sums(probs)
+
+
+def logits_to_probs_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> torch.Tensor:
+    """[R, V] logits -> [R, V] probabilities, row r under configs[r]: the packed batch's
+    sampled rows in one call, on the logits' device, the parameters as [R] tensors. Every row
+    equals `logits_to_probs(logits[r], configs[r])` bit for bit (the same operations, each a
+    row at a time inside: max, softmax, top-k, sort and cumsum never mix rows; tests check it),
+    so a seeded sequence draws the same tokens whatever it is batched with. A filter runs only
+    on the rows that ask for it (top-p's sort of the vocabulary is the costly one)."""
+    R, V = logits.shape
+    if len(configs) != R:
+        raise SamplingError(f"{len(configs)} sampling configurations for {R} rows")
+    if len(set(configs)) == 1:  # one configuration for every row: the per-row transform itself
+        return logits_to_probs(logits, configs[0])
+    device, tiny = logits.device, torch.finfo(logits.dtype).tiny
+    greedy = torch.tensor([c.greedy for c in configs], device=device)  # [R]
+    temperature = torch.tensor([[max(c.temperature, tiny)] for c in configs],
+                               dtype=logits.dtype, device=device)  # [R, 1]
+    top_k = torch.tensor([c.top_k if 0 < c.top_k < V and not c.greedy else 0 for c in configs],
+                         device=device)  # [R]; 0 = off
+    best = logits.argmax(-1, keepdim=True)  # [R, 1] a greedy row's token
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # [R, V]
+    if bool((top_k > 0).any()):
+        kth = logits.topk(int(top_k.max()), dim=-1).values.gather(
+            -1, (top_k - 1).clamp_min(0)[:, None])  # [R, 1] each row's k-th largest
+        cut_k = (logits < kth) & (top_k > 0)[:, None]  # [R, V]
+        logits = logits.masked_fill(cut_k, -math.inf)
+    probs = logits.softmax(-1)  # [R, V]
+    nucleus = [r for r, c in enumerate(configs) if c.top_p < 1 and not c.greedy]
+    if nucleus:
+        top_p = torch.tensor([[configs[r].top_p] for r in nucleus], dtype=probs.dtype,
+                             device=device)  # [N, 1]
+        at = torch.tensor(nucleus, device=device)  # [N]
+        sorted_p, order = probs[at].sort(-1, descending=True)  # [N, V]
+        mass_before = sorted_p.cumsum(-1) - sorted_p  # [N, V] mass of strictly better tokens
+        drop_sorted = mass_before >= top_p  # always keeps the top token
+        probs = probs.index_copy(0, at, probs[at].masked_fill(
+            drop_sorted.scatter(-1, order, drop_sorted), 0.0))
+    if any(c.min_p > 0 for c in configs):
+        min_p = torch.tensor([[c.min_p] for c in configs], dtype=probs.dtype,
+                             device=device)  # [R, 1]; 0 drops nothing
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+    probs = probs / row_sums(probs)
+    one_hot = torch.zeros_like(probs).scatter_(-1, best, 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [..., 1]: each row's sum, rounded the same however many rows come along.
+    A sum to one number over many elements is split across threads (a two-pass sum, rounded
+    by the thread count), so a lone row is summed as one of two: a stride-0 copy of itself."""
+    if x.numel() != x.shape[-1]:
+        return x.sum(-1, keepdim=True)
+    return x.reshape(1, -1).expand(2, -1).sum(-1, keepdim=True)[:1].reshape(*x.shape[:-1], 1)
 
 
 def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> int:

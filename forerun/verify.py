@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forerun.sampling import sample
+from forerun.sampling import row_sums, sample
 from forerun.tree import TokenTree
 
 
@@ -54,7 +54,7 @@ def rejection_sample(
     else:
         q_n = q[n] if q is not None else torch.zeros_like(p[n]).index_fill_(0, draft_tokens[n], 1)
         residual = (p[n] - q_n).clamp_min(0)  # [V]
-        total = residual.sum()
+        total = row_sums(residual)
         # total == 0 only when p_n == q_n, where rejection has probability 0; guard anyway.
         last = sample(residual / total if total > 0 else p[n], generator)  # recovered
     return Verdict(tokens=[*draft_tokens[:n].tolist(), int(last)], num_accepted=n)
@@ -103,7 +103,7 @@ def recursive_rejection_sample(
             if proposal is None:
                 proposal = torch.zeros_like(target).index_fill_(0, draft_tokens[child], 1)
             residual = (target - proposal).clamp_min(0)  # [V]
-            total = residual.sum()
+            total = row_sums(residual)
             # total == 0 only where rejection has probability 0; guard anyway.
             target = residual / total if total > 0 else target
         if accepted is None:
