@@ -198,8 +198,11 @@ class HeadProposer(ABC):
             return self._lookup_only(chain, chain_scores)
         if root is None:
             started = perf_counter()
-            root = self._root(tokens)._replace(seconds=perf_counter() - started)
-        grown = perf_counter()
+            root = self._root(tokens)
+            grown = perf_counter()  # the tree grows from here
+            root = root._replace(seconds=grown - started)
+        else:
+            grown = perf_counter()
         k = self._levels(k)
         if self.lookup is not None:
             k = min(k, LOOKUP_HEAD_DEPTH)
