@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -295,6 +296,7 @@ class Engine:
                              f"runtime's batched passes do not return; use --runtime torch, or "
                              f"decode one prompt at a time (generate)")
         seqs = []
+        group: dict[str, Any] = {}  # the members' shared drafter state (Medusa's, Hydra's heads)
         for prompt, s, budget in zip(prompts, samplings, budgets, strict=True):
             ids = (self.tokenizer.encode_chat(prompt) if prompt and isinstance(prompt[0], dict)
                    else self.encode(prompt, raw))
@@ -305,7 +307,7 @@ class Engine:
                 seq.proposer = (shared.proposer(seq.slots()) if shared
                                 else PROPOSERS[spec.method](spec, ProposerContext(
                                     self.target, None, self.heads, self.tokenizer,
-                                    capacity=seq.slots())))
+                                    capacity=seq.slots(), batch=group)))
                 # the cost policy chooses every member's k together (forerun.batch_policy)
                 seq.policy = (FixedK(spec.k) if spec.policy == "cost" else
                               POLICIES[spec.policy](spec, self.target, seq.proposer.runtime))

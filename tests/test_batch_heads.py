@@ -6,15 +6,18 @@ with a lookup branch) equals its own plain greedy decoding whatever it is batche
 n-gram and draft-model members, members admitted as others finish), and every head member
 drafted; a seeded sampled EAGLE member gives the same tokens alone and in a batch, and the same
 as its one-sequence `speculative_decode`; `generate_batch` with heads equals `generate` one
-prompt at a time.
+prompt at a time; in `generate_batch`, a step calls Medusa's (Hydra's first) head once for all
+the members that draft in it, members admitted as others finish included.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import random_heads, tiny_model
 from test_batch_engine import PROMPTS, _batch_runtime, _member, _solo, _tokens
 
+import forerun.batch_engine as batch_engine
 from forerun.batch_engine import Sequence, run_to_completion
 from forerun.engine import speculative_decode
 from forerun.policy import POLICIES
@@ -106,3 +109,47 @@ def test_generate_batch_with_heads_equals_generate(kind, tree):
         alone = engine.generate(prompt, max_tokens=budget)
         assert out.token_ids == alone.token_ids == _solo(prompt, budget)
         assert out.stats.drafted > 0
+
+
+@pytest.mark.parametrize(("kind", "tree"), [("medusa", 0), ("medusa", 6), ("hydra", 0),
+                                            ("hydra", 5)])
+def test_generate_batch_calls_the_heads_once_a_step_for_every_drafting_member(kind, tree,
+                                                                              monkeypatch):
+    from test_engine import word_tokenizer
+
+    from forerun import Engine
+
+    target = TorchRuntime(tiny_model(0), capacity=256)
+    heads = random_heads(kind, target)
+    engine = Engine.from_runtimes(target, word_tokenizer(), None,
+                                  SpecConfig(kind, 3, tree=tree, tree_topk=2), heads=heads)
+    rows = []  # the rows of every call of the first head (Medusa: all heads; Hydra: the root)
+
+    def count(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        rows.append(args[0].shape[0])  # f (Medusa) or z (Hydra) [B, D]
+
+    calls, inner = [], batch_engine.step  # per step: (its calls' rows, its members' Steps)
+
+    def step(*args, **kwargs):
+        before = len(rows)
+        results = inner(*args, **kwargs)
+        calls.append((rows[before:], results))
+        return results
+
+    monkeypatch.setattr(batch_engine, "step", step)
+    hook = heads.blocks[0].register_forward_hook(count)
+    budgets = [30, 9, 25, 14, 20]
+    try:  # three at a time: the fourth and fifth join as the first ones finish
+        got = engine.generate_batch(PROMPTS[:5], max_tokens=budgets, max_batch=3)
+    finally:
+        hook.remove()
+    for prompt, budget, out in zip(PROMPTS[:5], budgets, got, strict=True):
+        assert out.token_ids == _solo(prompt, budget)
+        assert out.stats.drafted > 0
+    for step_rows, results in calls:  # one call a step, holding every drafting member's row
+        drafting = sum(1 for r in results if r.drafted > 0)
+        assert step_rows == ([drafting] if drafting else [])
+    assert max(r for step_rows, _ in calls for r in step_rows) == 3
+    # a member prefilled while others drafted: admitted later, it joined the shared call
+    assert any(any(r.prefill for r in results) and any(r.drafted for r in results)
+               for _, results in calls)

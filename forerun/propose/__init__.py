@@ -16,7 +16,7 @@ from forerun.propose.base import Draft, Needs, Proposer, ProposerContext
 from forerun.propose.draft_model import DraftModelProposer
 from forerun.propose.eagle import EagleProposer
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer, VerifyCurve
-from forerun.propose.medusa import HydraProposer, MedusaProposer
+from forerun.propose.medusa import HydraProposer, MedusaProposer, shared_heads
 from forerun.propose.ngram import LookupBranch, NgramProposer
 
 
@@ -89,11 +89,13 @@ def _head_args(spec: SpecConfig, ctx: ProposerContext) -> HeadArgs:
 
 
 def _medusa(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
-    return MedusaProposer(*_head_args(spec, ctx))
+    args = _head_args(spec, ctx)
+    return MedusaProposer(*args, group=shared_heads(ctx.batch, ctx.heads))
 
 
 def _hydra(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
-    return HydraProposer(*_head_args(spec, ctx))
+    args = _head_args(spec, ctx)
+    return HydraProposer(*args, group=shared_heads(ctx.batch, ctx.heads))
 
 
 def _eagle(spec: SpecConfig, ctx: ProposerContext) -> Proposer:  # eagle and eagle3
@@ -101,7 +103,8 @@ def _eagle(spec: SpecConfig, ctx: ProposerContext) -> Proposer:  # eagle and eag
 
 
 # head kind -> its proposer class, for building one directly (tests, benchmarks); every one
-# takes HeadProposer's arguments, EagleProposer also `static`, `store` and `prompt_window`
+# takes HeadProposer's arguments, EagleProposer also `static`, `store` and `prompt_window`,
+# Medusa's and Hydra's also `group` (a batch's SharedHeads)
 HEAD_PROPOSERS: dict[str, type[HeadProposer]] = {
     "medusa": MedusaProposer,
     "hydra": HydraProposer,

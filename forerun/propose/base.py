@@ -76,6 +76,10 @@ class ProposerContext:
     stores: dict[str, Any] = field(default_factory=dict)
     capacity: int | None = None  # the most tokens its sequence will hold (a batch member's
     # prompt + budget + one pass); None = the target's context. Sizes a drafter's own cache
+    # state shared by the proposers of one batch's members, by name (the batch's Medusa or Hydra
+    # heads, which compute every member's root in one call); the batch that builds them owns
+    # it. None = a sequence decoded alone
+    batch: dict[str, Any] | None = None
 
 
 @dataclass

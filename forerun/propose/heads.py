@@ -6,6 +6,9 @@ automatic budget and its calibration, resting, the head's measured seconds, graf
 kind's root (`forerun.propose.medusa` for Medusa and Hydra, `forerun.propose.eagle` for EAGLE
 and EAGLE-3). It never knows which kind it drafts for: a kind brings its root's
 log-probabilities and how to expand a level (`_root`), and takes in the features it is fed.
+A batch's shared heads (`forerun.propose.medusa.SharedHeads`) may compute the roots of several
+members in one call and hand each its own (`propose(..., root=...)`); the rest of the step is
+the member's, the same as alone.
 Invariant: the proposer has been fed the target's features of every token in the target's
 cache (all tokens but the pending one).
 Without `prompt_features` (where each hidden row costs an LM-head row: llama.cpp) the prompt
@@ -77,6 +80,7 @@ class Root(NamedTuple):
     logprobs: torch.Tensor  # [N] the first draft token's log-probabilities
     expand: Expand  # the next level's log-probabilities (grow_tree's `expand`)
     caught_up: int = 0  # feature rows the root took in (priced at CATCHUP_ROWS at most)
+    seconds: float = 0.0  # what computing it cost this proposer (measured in `propose`)
 
 
 class HeadProposer(ABC):
@@ -176,20 +180,29 @@ class HeadProposer(ABC):
         return ((self.observed + CALIBRATION_START * CALIBRATION_PRIOR)
                 / (self.predicted + CALIBRATION_PRIOR))
 
+    def runs_head(self, k: int) -> bool:
+        """Whether `propose` of k tokens runs the head now: it has a feature (not so after a
+        featureless prefill) and is not resting."""
+        return k > 0 and self._fed() and self.skip == 0
+
     @torch.inference_mode()
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig,
-                generator: torch.Generator) -> Draft:
+                generator: torch.Generator, root: Root | None = None) -> Draft:
+        """As Proposer's; `root`: this step's root, computed with other members' in one call
+        (given only where `runs_head(k)`); None = its own `_root`."""
         self._learn(tokens)
         chain, chain_scores = self.lookup.propose(tokens, k) if self.lookup and k else ([], [])
-        if k == 0 or not self._fed():
-            # no feature yet (the first step after a featureless prefill): lookup alone
+        if not self.runs_head(k):  # no feature yet, or resting: lookup alone
+            if k and self._fed():  # a rest's step: the verify curve has not wanted a draft
+                self.skip -= 1
             return self._lookup_only(chain, chain_scores)
-        if self.skip > 0:  # the verify curve has not wanted a draft lately
-            self.skip -= 1
-            return self._lookup_only(chain, chain_scores)
-        started = perf_counter()
-        root = self._root(tokens)
-        rooted = perf_counter()
+        if root is None:
+            started = perf_counter()
+            root = self._root(tokens)
+            grown = perf_counter()  # the tree grows from here
+            root = root._replace(seconds=grown - started)
+        else:
+            grown = perf_counter()
         k = self._levels(k)
         if self.lookup is not None:
             k = min(k, LOOKUP_HEAD_DEPTH)
@@ -199,9 +212,9 @@ class HeadProposer(ABC):
         if self.tree == AUTO_TREE:
             budget = self._auto_budget(chain_scores)
         ids, parents = self._grow(root, k, topk, budget)
-        elapsed = perf_counter() - started
-        if root.caught_up > CATCHUP_ROWS:  # a backlog's catch-up, priced at a step's rows
-            elapsed -= (rooted - started) * (1 - CATCHUP_ROWS / root.caught_up)
+        # a backlog's catch-up (over more than CATCHUP_ROWS rows) is priced at a step's rows
+        elapsed = (perf_counter() - grown
+                   + root.seconds * min(1.0, CATCHUP_ROWS / max(1, root.caught_up)))
         self.head_seconds = elapsed if not self.head_seconds else (
             self.head_seconds + HEAD_SECONDS_MEMORY * (elapsed - self.head_seconds))
         draft = self.vocab_ids[torch.tensor(ids, dtype=torch.long)].tolist()  # target ids
