@@ -164,11 +164,13 @@ def _verify_all(live: list[Sequence], drafts: list[Draft | None], trees: list[To
         for b in sampled:  # member b's rows of p
             at[b], start = slice(start, start + len(spans[b])), start + len(spans[b])
         chains = [b for b in sampled if trees[b] is None or trees[b].is_chain]
-        for b, v in zip(chains, batch_rejection_sample(
-                [_draft_tokens(drafts[b]) for b in chains], torch.cat([p[at[b]] for b in chains]),
-                [None if drafts[b] is None else drafts[b].q for b in chains],
-                [live[b].generator for b in chains]), strict=True):
-            verdicts[b] = v
+        if chains:  # (every sampled member may be a tree)
+            for b, v in zip(chains, batch_rejection_sample(
+                    [_draft_tokens(drafts[b]) for b in chains],
+                    torch.cat([p[at[b]] for b in chains]),
+                    [None if drafts[b] is None else drafts[b].q for b in chains],
+                    [live[b].generator for b in chains]), strict=True):
+                verdicts[b] = v
         for b in (b for b in sampled if verdicts[b] is None):  # the trees
             d = drafts[b]
             verdicts[b] = recursive_rejection_sample(trees[b], d.tokens, p[at[b]], d.q,
