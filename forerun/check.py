@@ -52,6 +52,7 @@ from forerun.verify import (
     recursive_rejection_sample,
     rejection_sample,
 )
+from forerun.verify_batch import batch_rejection_sample, each_member
 
 PASS, NEAR_TIE, FAIL = "pass", "near-tie", "fail"
 GREEDY = SamplingConfig()
@@ -77,6 +78,7 @@ class Verifier:
     chain: Callable[..., Verdict]  # rejection_sample
     tree: Callable[..., TreeVerdict]  # recursive_rejection_sample
     greedy: Callable[..., TreeVerdict]  # greedy_accept
+    chains: Callable[..., list[Verdict]] | None = None  # the batch's chains; None: `chain` each
 
 
 def _first_path(tree: TokenTree) -> list[int]:
@@ -105,7 +107,8 @@ def _accept_greedy(tree, draft_tokens, best) -> TreeVerdict:
                                                                          else 0])], path)
 
 
-EXACT = Verifier(rejection_sample, recursive_rejection_sample, greedy_accept)
+EXACT = Verifier(rejection_sample, recursive_rejection_sample, greedy_accept,
+                 batch_rejection_sample)
 ACCEPT_ALL = Verifier(_accept_chain, _accept_tree, _accept_greedy)  # broken on purpose
 VERIFIERS = {"rejection": EXACT, "accept-all": ACCEPT_ALL}
 
@@ -117,8 +120,8 @@ def _in_engine(verifier: Verifier) -> Iterator[None]:
     if verifier is EXACT:  # the engine as it ships
         yield
         return
-    names = {"rejection_sample": verifier.chain, "recursive_rejection_sample": verifier.tree,
-             "greedy_accept": verifier.greedy}
+    names = {"batch_rejection_sample": verifier.chains or each_member(verifier.chain),
+             "recursive_rejection_sample": verifier.tree, "greedy_accept": verifier.greedy}
     saved = {name: getattr(decode_loop, name) for name in names}
     try:
         for name, fn in names.items():

@@ -19,6 +19,8 @@ each against the residual the one before it left.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from forerun.sampling import row_sums
@@ -95,3 +97,16 @@ def _draw(dist: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
                                   device=generators[b].device) for b in draw]).to(dist.device)
         tokens[at] = torch.searchsorted(cdf, (1 - u) * cdf[:, -1:]).flatten()  # [D]
     return tokens.tolist()
+
+
+def each_member(chain: Callable[..., Verdict]) -> Callable[..., list[Verdict]]:
+    """`batch_rejection_sample`'s signature over a one-member sampler called member by member
+    (member b's rows of the packed p: its K_b + 1 after the members before it). The
+    self-test and the tests run altered samplers in the batch step through it."""
+    def chains(draft_tokens, p, q, generators) -> list[Verdict]:
+        out, row = [], 0
+        for tokens, q_b, generator in zip(draft_tokens, q, generators, strict=True):
+            out.append(chain(tokens, p[row:row + len(tokens) + 1], q_b, generator))
+            row += len(tokens) + 1
+        return out
+    return chains

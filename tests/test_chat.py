@@ -138,7 +138,8 @@ def test_ctrl_c_stops_the_reply_not_the_chat(endless):
                               timeout=WAIT_S / 3) == 0:
             break
     else:
-        pytest.fail("Ctrl-C at the prompt showed no hint after three presses")
+        pytest.fail("Ctrl-C at the prompt showed no hint after three presses; the chat "
+                    f"showed {child.before!r}")
     child.expect_exact(PROMPT)
     child.sendeof()
     child.expect(pexpect.EOF)

@@ -22,6 +22,7 @@ from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
 
 import forerun.batch_engine
 import forerun.verify
+import forerun.verify_batch
 from forerun import Engine
 from forerun.check import (
     FAIL,
@@ -90,7 +91,8 @@ def test_a_verifier_that_accepts_every_draft_token_fails_both_tests(name):
     assert min(c.p_value for c in report.sampling.contexts) < ALPHA / 2
     # the engine's own samplers are back after the self-test
     assert forerun.batch_engine.greedy_accept is forerun.verify.greedy_accept
-    assert forerun.batch_engine.rejection_sample is forerun.verify.rejection_sample
+    assert (forerun.batch_engine.batch_rejection_sample
+            is forerun.verify_batch.batch_rejection_sample)
 
 
 def test_divergences_under_the_threshold_are_near_ties():

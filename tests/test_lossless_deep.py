@@ -58,6 +58,7 @@ from forerun.propose.draft_model import DraftModelProposer
 from forerun.propose.ngram import NgramProposer
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.tree import TokenTree
+from forerun.verify_batch import each_member
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, ALPHA, RUNS, HEAD_RUNS = 3, 1e-4, 2000, 1000
@@ -300,7 +301,8 @@ def test_the_engine_with_a_mutant_verifier_fails(name, monkeypatch):
         monkeypatch.setattr(forerun.batch_engine, "recursive_rejection_sample", tree_mutant(bug))
         proposer, K = TopTwoTree(TEMPERATURE), TREE_K
     else:
-        monkeypatch.setattr(forerun.batch_engine, "rejection_sample", chain_mutant(bug))
+        monkeypatch.setattr(forerun.batch_engine, "batch_rejection_sample",
+                            each_member(chain_mutant(bug)))
         proposer, K = draft_proposer(), CHAIN_K
     counts, depths = empirical(proposer, lambda: FixedK(K), TEMPERATURE, K + 2)
     assert depths[K] >= RUNS  # as deep as the passing tests' drafts

@@ -35,6 +35,7 @@ from forerun.profile import ForwardCurve
 from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.verify import Verdict
+from forerun.verify_batch import each_member
 
 V, NEW_TOKENS, RUNS, ALPHA = 6, 3, 3000, 1e-4
 PROMPT = [1, 2, 3, 1, 2]  # repeats, so n-gram lookup proposes something
@@ -131,6 +132,7 @@ def test_a_broken_verifier_fails_the_same_test(monkeypatch):
         bonus = int(torch.multinomial(p[-1], 1, generator=generator))
         return Verdict([*draft_tokens.tolist(), bonus], draft_tokens.shape[0])
 
-    monkeypatch.setattr(forerun.batch_engine, "rejection_sample", accept_everything)
+    monkeypatch.setattr(forerun.batch_engine, "batch_rejection_sample",
+                        each_member(accept_everything))
     cfg = SAMPLINGS["temperature"]
     assert chi_square_pvalue(exact_joint(cfg), empirical("draft", 2, cfg)) < ALPHA
