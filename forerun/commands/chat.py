@@ -78,6 +78,9 @@ def run(args) -> int:
         raise ModelError(f"{args.target} has no chat template, which `forerun chat` needs; "
                          "`forerun generate --raw` sends text as is")
     check_method(chat.engine, chat.spec)
+    # Ctrl-C at the prompt is a hint, even where the chat was started with SIGINT ignored (a
+    # shell's background job, nohup): Python then leaves it ignored, and only a reply took it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     chat.reset()
     note(f"[dim]{escape(args.target)}, {escape(describe(chat.spec))}. /help lists the "
               "commands; /exit or Ctrl-D quits.")
