@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from forerun.sampling import row_sums
+from forerun.sampling import row_sums, sample
 from forerun.verify import Verdict, rejection_sample
 
 
@@ -74,7 +74,8 @@ def batch_rejection_sample(
     total = row_sums(residual)  # [B, 1]
     # total == 0 only when p_n == q_n, where rejection has probability 0; guard anyway.
     recovered = torch.where(total > 0, residual / total, target)  # [B, V]
-    last = _draw(torch.where(bonus[:, None], target, recovered), generators)  # [B]
+    final = torch.where(bonus[:, None], target, recovered)  # [B, V]
+    last = [int(sample(row, g)) for row, g in zip(final, generators, strict=True)]  # [B]
     return [Verdict(tokens=[*t[:m].tolist(), token], num_accepted=m)
             for t, m, token in zip(draft_tokens, n.tolist(), last, strict=True)]
 
@@ -82,21 +83,6 @@ def batch_rejection_sample(
 def _uniform(k: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
     """[k] uniforms from one member's generator, as `rejection_sample` draws them."""
     return torch.rand(k, generator=generator, dtype=dtype, device=generator.device)
-
-
-def _draw(dist: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
-    """One token per row of dist [B, V] from its member's generator: `forerun.sampling.sample`
-    of each row (a one-hot row draws nothing; the others one float64 uniform, inverse CDF)."""
-    one_hot = (dist.count_nonzero(-1) == 1).tolist()  # [B]
-    tokens = dist.argmax(-1)  # [B]
-    draw = [b for b, h in enumerate(one_hot) if not h]
-    if draw:
-        at = torch.tensor(draw, device=dist.device)
-        cdf = dist[at].to(torch.float64).cumsum(-1)  # [D, V]
-        u = torch.cat([torch.rand(1, 1, generator=generators[b], dtype=torch.float64,
-                                  device=generators[b].device) for b in draw]).to(dist.device)
-        tokens[at] = torch.searchsorted(cdf, (1 - u) * cdf[:, -1:]).flatten()  # [D]
-    return tokens.tolist()
 
 
 def each_member(chain: Callable[..., Verdict]) -> Callable[..., list[Verdict]]:
