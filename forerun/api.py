@@ -8,6 +8,7 @@ live in `forerun.engine` and `forerun.reference` and know nothing of text.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
@@ -56,6 +57,9 @@ class LoadConfig:
     # the heads' weights when drafting (forerun.heads.PRECISIONS); like the draft's dtype it
     # changes speed and drafts, never the output. auto: int8 where bfloat16 is fast, else float32
     head_precision: str = "auto"
+    # torch runtime: row-invariant kernels (TorchRuntime.set_invariant), so a row's logits do
+    # not depend on how many rows share its pass; slower, off by default
+    invariant: bool = False
 
     def __post_init__(self):
         if self.head_precision not in ("auto", *PRECISIONS):
@@ -161,6 +165,11 @@ class Engine:
         draft_rt = load_draft(target_src, draft_src, load) if draft_src else None
         target_rt = target_src.load(dtype=load.dtype, device=load.device, context=load.context,
                                     runtime=load.runtime)
+        if load.invariant:
+            if not isinstance(target_rt, TorchRuntime):
+                raise ModelError(f"--invariant applies to the torch runtime; {load.runtime}'s "
+                                 "patched kernels are row-invariant already")
+            target_rt.set_invariant(True)
         heads = None
         if load.heads:
             heads = load_heads(load.heads, target_io(target_src, target_rt), target_src.name,
@@ -194,6 +203,15 @@ class Engine:
         CPU, llama.cpp). -> sizes recorded."""
         return sum(rt.warm_up() for rt in (self.target, self.draft)
                    if rt is not None and rt.capabilities.static_passes)
+
+    def close(self) -> None:
+        """Let go of the models, heads and caches (their memory returns once nothing else holds
+        them); the engine is unusable after. A benchmark frees them so a peer can load its own
+        (vLLM's draft-model speculation beside forerun's bf16 pair overran 23 GiB)."""
+        self._batches.clear()
+        self._batch_curves.clear()
+        self.target = self.draft = self.heads = self.proposers = None
+        gc.collect()
 
     def fork(self) -> Engine:
         """An engine over the same weights with KV caches of its own: one more sequence that can

@@ -35,7 +35,7 @@ from torch import nn
 
 from forerun.models.catalog import ModelError
 from forerun.runtime.base import ModelConfig
-from forerun.runtime.torch_model import Block, rms_norm, rope_tables
+from forerun.runtime.torch_model import Block, CacheRows, rms_norm, rope_tables
 
 KINDS = ("medusa", "hydra", "eagle", "eagle3")
 PRECISIONS = ("float32", "bfloat16", "int8", "w8a8")  # a draft step's weights (for_drafting)
@@ -253,6 +253,15 @@ class Heads(nn.Module):
         x = self.fc(torch.cat([feature, self.embed_of(token)], dim=-1))  # [T, D]
         cos, sin = self.cos[positions], self.sin[positions]
         return self.layer(x, cos, sin, k_cache, v_cache, start, mask)
+
+    def eagle_steps(self, feature: torch.Tensor, token: torch.Tensor, positions: torch.Tensor,
+                    parts: list[CacheRows]) -> torch.Tensor:
+        """`eagle_step` over several sequences' rows at once (feature [R, D], token and
+        positions [R]): each part's rows in its own cache (see `Block.forward_parts`), the
+        linears over all R rows in one call. -> o [R, D]."""
+        x = self.fc(torch.cat([feature, self.embed_of(token)], dim=-1))  # [R, D]
+        cos, sin = self.cos[positions], self.sin[positions]
+        return self.layer.forward_parts(x, cos, sin, parts)
 
     def new_cache(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg

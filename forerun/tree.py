@@ -19,11 +19,14 @@ parents = [-1, 0, 1, ..., K-2].
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TypeVar
 
 import torch
+
+A, B, R = TypeVar("A"), TypeVar("B"), TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,9 @@ class Candidate:
     score: float  # log-probability of the path under the drafter
 
 
+Level = tuple[list[int], list[Candidate]]  # a level a growing tree asks for: (frontier, found)
+
+
 def grow_tree(
     root: torch.Tensor,  # [N] the drafter's log-probabilities after the root
     expand,  # (candidates: list[int], all: list[Candidate]) -> [len(candidates), N] logprobs
@@ -111,8 +117,23 @@ def grow_tree(
     beam: int,
     budget: int | Callable[[list[float]], int],
 ) -> tuple[list[int], list[int]]:
+    """EAGLE-2's dynamic draft tree: `growing`, each level's log-probabilities from `expand`."""
+    return drive(growing(root, depth, topk, beam, budget), lambda level: expand(*level))
+
+
+def growing(
+    root: torch.Tensor,  # [N] the drafter's log-probabilities after the root
+    depth: int,
+    topk: int,
+    beam: int,
+    budget: int | Callable[[list[float]], int],
+) -> Generator[Level, torch.Tensor, tuple[list[int], list[int]]]:
     """EAGLE-2's dynamic draft tree: grow by drafter confidence, then rerank and prune.
 
+    A generator: it yields each level it needs as (frontier, found), the nodes to expand
+    (indices into the candidates so far) and those candidates, and is sent their children's
+    log-probabilities [len(frontier), N]; so a batch's trees can grow in lockstep, every
+    level of all of them one drafter call (`grow_tree` drives one tree alone).
     Each of the `depth` levels keeps the `topk` children of every expanded node; only the
     `beam` most likely nodes of a level (by path log-probability) are expanded. Of everything
     grown, the `budget` most likely paths' nodes are kept: a child is never likelier than its
@@ -147,11 +168,22 @@ def grow_tree(
             frontier = [i for i in frontier if i in carried]
         if not frontier:
             break
-        logprobs = expand(frontier, found)  # [F, N]
+        logprobs = yield frontier, found  # [F, N]
         first = len(found)
         add(logprobs, frontier, d)
         level = list(range(first, len(found)))
     return prune(found, budget)
+
+
+def drive(steps: Generator[A, B, R], answer: Callable[[A], B]) -> R:
+    """Run the generator `steps` to its return value, sending each thing it yields
+    `answer(it)`."""
+    try:
+        asked = next(steps)
+        while True:
+            asked = steps.send(answer(asked))
+    except StopIteration as done:
+        return done.value
 
 
 def prune(found: list[Candidate], budget: int | Callable[[list[float]], int]

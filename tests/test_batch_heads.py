@@ -7,7 +7,10 @@ n-gram and draft-model members, members admitted as others finish), and every he
 drafted; a seeded sampled EAGLE member gives the same tokens alone and in a batch, and the same
 as its one-sequence `speculative_decode`; `generate_batch` with heads equals `generate` one
 prompt at a time; in `generate_batch`, a step calls Medusa's (Hydra's first) head once for all
-the members that draft in it, members admitted as others finish included.
+the members that draft in it, members admitted as others finish included; an EAGLE head's
+layer runs once for every member's catch-up and once a tree level for all of them (a step's
+layer calls never exceed its deepest tree), and each member drafts what it drafts alone (the
+same drafts and acceptance as in batches of one).
 """
 
 from __future__ import annotations
@@ -153,3 +156,65 @@ def test_generate_batch_calls_the_heads_once_a_step_for_every_drafting_member(ki
     # a member prefilled while others drafted: admitted later, it joined the shared call
     assert any(any(r.prefill for r in results) and any(r.drafted for r in results)
                for _, results in calls)
+
+
+def _eagle_engine(kind, tree):
+    from test_engine import word_tokenizer
+
+    from forerun import Engine
+
+    target = TorchRuntime(tiny_model(0), capacity=256)
+    heads = random_heads(kind, target)
+    engine = Engine.from_runtimes(target, word_tokenizer(), None,
+                                  SpecConfig(kind, 3, tree=tree, tree_topk=2), heads=heads)
+    return engine, heads
+
+
+@pytest.mark.parametrize(("kind", "tree"), [("eagle", 0), ("eagle", 6), ("eagle3", 0),
+                                            ("eagle3", 5)])
+def test_generate_batch_steps_the_eagle_layer_once_a_level_for_every_drafting_member(
+        kind, tree, monkeypatch):
+    engine, heads = _eagle_engine(kind, tree)
+    rows, layer = [], heads.layer.forward_parts  # the rows of every call of the EAGLE layer
+
+    def count(x, *args):
+        rows.append(x.shape[0])  # x [R, D]
+        return layer(x, *args)
+
+    calls, inner = [], batch_engine.step  # per step: (its layer calls' rows, its Steps)
+
+    def step(*args, **kwargs):
+        before = len(rows)
+        results = inner(*args, **kwargs)
+        calls.append((rows[before:], results))
+        return results
+
+    monkeypatch.setattr(batch_engine, "step", step)
+    monkeypatch.setattr(heads.layer, "forward_parts", count)
+    budgets = [30, 9, 25, 14, 20]
+    # three at a time: the fourth and fifth join as the first ones finish
+    got = engine.generate_batch(PROMPTS[:5], max_tokens=budgets, max_batch=3)
+    for prompt, budget, out in zip(PROMPTS[:5], budgets, got, strict=True):
+        assert out.token_ids == _solo(prompt, budget)
+        assert out.stats.drafted > 0
+    # a draft of 3 levels: one catch-up call and at most two level calls a step, however many
+    # members draft in it (drafting one by one, 3 members would make up to 9)
+    assert all(len(step_rows) <= 3 for step_rows, _ in calls)
+    shared = [(step_rows, results) for step_rows, results in calls
+              if sum(r.drafted > 0 for r in results) >= 2]
+    assert shared  # steps where several members drafted: their rows shared each call
+    assert all(step_rows[0] >= sum(r.drafted > 0 for r in results)
+               for step_rows, results in shared)
+
+
+@pytest.mark.parametrize(("kind", "tree"), [("eagle", 0), ("eagle", 6), ("eagle3", 4)])
+def test_an_eagle_member_drafts_in_a_batch_what_it_drafts_alone(kind, tree):
+    engine, _ = _eagle_engine(kind, tree)
+    budgets = [30, 12, 25, 18]
+    together = engine.generate_batch(PROMPTS[:4], max_tokens=budgets)
+    alone = engine.generate_batch(PROMPTS[:4], max_tokens=budgets, max_batch=1)
+    for a, b, prompt, budget in zip(together, alone, PROMPTS[:4], budgets, strict=True):
+        assert a.token_ids == b.token_ids == _solo(prompt, budget)
+        assert (a.stats.target_forward_passes, a.stats.drafted, a.stats.accepted) == (
+            b.stats.target_forward_passes, b.stats.drafted, b.stats.accepted)
+        assert a.stats.per_position_acceptance == b.stats.per_position_acceptance

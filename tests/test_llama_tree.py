@@ -306,17 +306,23 @@ def test_heads_draft_on_llama_cpp_what_they_draft_on_torch(source, rt, data, kin
     from forerun.sampling import SamplingConfig, make_generator
 
     margins: list[float] = []  # the current step's top-2 log-probability gap at each level
-    grow_tree = head_module.grow_tree
+    growing = head_module.growing
 
     def gaps(lp: torch.Tensor) -> torch.Tensor:
         top = lp.topk(2, dim=-1).values  # [..., 2]
         margins.append(float((top[..., 0] - top[..., 1]).min()))
         return lp
 
-    def measured(root, expand, **kw):
-        return grow_tree(gaps(root), lambda f, found: gaps(expand(f, found)), **kw)
+    def measured(root, **kw):  # `growing`, each level's log-probabilities measured
+        grow = growing(gaps(root), **kw)
+        try:
+            asked = next(grow)
+            while True:
+                asked = grow.send(gaps((yield asked)))
+        except StopIteration as done:
+            return done.value
 
-    monkeypatch.setattr(head_module, "grow_tree", measured)
+    monkeypatch.setattr(head_module, "growing", measured)
 
     greedy, prompt = SamplingConfig(temperature=0), data[0].tolist()
     reference = source.load(dtype="float32", context=CTX)

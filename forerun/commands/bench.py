@@ -179,12 +179,14 @@ def _throughput(engine: Engine, args, out: Path, meta: dict, console: Console) -
         cells = throughput.run_throughput(engine, messages, modes, method, k, batches,
                                           args.max_tokens, budget, on_cell=tick)
     peers = _throughput_peers(args, k)
+    engine.close()  # forerun's models leave memory before a peer loads its own
     if peers:
         plain = {c.batch: c.total_tok_s for c in cells if c.mode == "off"}
         cells += throughput.peer_cells(peers, [p.text for p in prompts], batches,
                                        args.max_tokens, plain)
     title = (f"forerun bench throughput: {Path(str(args.target)).name} ({meta['runtime']}, "
-             f"{meta['dtype']}), {method} k={k}, {len(prompts)} prompts, "
+             f"{meta['dtype']}{', invariant' if meta['invariant'] else ''}), {method} k={k}, "
+             f"{len(prompts)} prompts, "
              f"{args.max_tokens} new tokens")
     table = Table(title=title, title_justify="left")
     for col in throughput.COLUMNS:
@@ -320,7 +322,7 @@ def _meta(args, load: LoadConfig) -> dict:
             "dtype": resolve_dtype(load.dtype, load.device) if runtime == "torch" else "gguf",
             "draft_dtype": resolve_dtype(load.draft_dtype, load.device),
             "draft_vocab": load.draft_vocab or "full", "device": load.device,
-            "heads": load.heads,
+            "heads": load.heads, "invariant": load.invariant,
             "head_precision": head_precision(load.head_precision, heads_device(load)),
             "cpus": len(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}

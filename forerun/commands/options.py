@@ -58,13 +58,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="torch: our transformer, weights dequantized to --dtype; llama.cpp: the "
                         "GGUF file on llama.cpp's quantized kernels, --dtype ignored (needs "
                         "forerun[llama]) (default: %(default)s)")
+    g.add_argument("--invariant", action="store_true",
+                   help="torch runtime: row-invariant kernels (a one-row matmul run as two, "
+                        "attention padded to 4 query rows), so a token's logits do not depend "
+                        "on how many rows share its pass; costs speed (see docs/runtimes.md)")
 
 
 def load_config(args: argparse.Namespace) -> LoadConfig:
     """The LoadConfig of the arguments add_model_args defined."""
     return LoadConfig(args.dtype, args.device, args.context, runtime=args.runtime,
                       draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab,
-                      heads=args.heads, head_precision=args.head_precision)
+                      heads=args.heads, head_precision=args.head_precision,
+                      invariant=args.invariant)
 
 
 def spec_config(args: argparse.Namespace) -> SpecConfig:

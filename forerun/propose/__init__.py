@@ -14,7 +14,7 @@ from forerun.heads import Heads
 from forerun.profile import calibrated_curve
 from forerun.propose.base import Draft, Needs, Proposer, ProposerContext
 from forerun.propose.draft_model import DraftModelProposer
-from forerun.propose.eagle import EagleProposer
+from forerun.propose.eagle import EagleProposer, shared_eagle
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer, VerifyCurve
 from forerun.propose.medusa import HydraProposer, MedusaProposer, shared_heads
 from forerun.propose.ngram import LookupBranch, NgramProposer
@@ -99,7 +99,8 @@ def _hydra(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
 
 
 def _eagle(spec: SpecConfig, ctx: ProposerContext) -> Proposer:  # eagle and eagle3
-    return EagleProposer(*_head_args(spec, ctx), store=ctx.stores)
+    return EagleProposer(*_head_args(spec, ctx), store=ctx.stores,
+                         group=shared_eagle(ctx.batch, ctx.heads))
 
 
 # head kind -> its proposer class, for building one directly (tests, benchmarks); every one

@@ -8,7 +8,9 @@ and EAGLE-3). It never knows which kind it drafts for: a kind brings its root's
 log-probabilities and how to expand a level (`_root`), and takes in the features it is fed.
 A batch's shared heads (`forerun.propose.medusa.SharedHeads`) may compute the roots of several
 members in one call and hand each its own (`propose(..., root=...)`); the rest of the step is
-the member's, the same as alone.
+the member's, the same as alone. A batch's EAGLE head (`forerun.propose.eagle.SharedEagle`) also
+grows every member's tree in lockstep through `drafting`, the propose step as a generator of
+the tree levels it needs.
 Invariant: the proposer has been fed the target's features of every token in the target's
 cache (all tokens but the pending one).
 Without `prompt_features` (where each hidden row costs an LM-head row: llama.cpp) the prompt
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from time import perf_counter
 from typing import NamedTuple
 
@@ -42,7 +44,16 @@ from forerun.heads import Heads
 from forerun.propose.base import Draft, Needs
 from forerun.propose.ngram import LookupBranch
 from forerun.sampling import SamplingConfig
-from forerun.tree import Candidate, TokenTree, best_budget, graft, grow_tree, match_depth
+from forerun.tree import (
+    Candidate,
+    Level,
+    TokenTree,
+    best_budget,
+    drive,
+    graft,
+    growing,
+    match_depth,
+)
 
 AUTO_TREE = -1  # SpecConfig.tree: choose each step's node budget from the verify-cost curve
 AUTO_TREE_MAX = 32  # nodes grown before an automatic budget cuts the tree
@@ -81,6 +92,19 @@ class Root(NamedTuple):
     expand: Expand  # the next level's log-probabilities (grow_tree's `expand`)
     caught_up: int = 0  # feature rows the root took in (priced at CATCHUP_ROWS at most)
     seconds: float = 0.0  # what computing it cost this proposer (measured in `propose`)
+
+
+class Ask(NamedTuple):
+    """A tree level a drafting proposer needs: its root's children of `frontier` (indices into
+    `found`, the candidates so far)."""
+
+    root: Root
+    frontier: list[int]
+    found: list[Candidate]
+
+
+Tree = tuple[list[int], list[int]]  # a grown draft tree: (draft-vocabulary ids, parents)
+Growing = Generator[Ask, tuple[torch.Tensor, float], Tree]  # a tree growing (see `drafting`)
 
 
 class HeadProposer(ABC):
@@ -142,11 +166,24 @@ class HeadProposer(ABC):
         """How deep a draft of k tokens can grow (every level one head step)."""
         return k
 
-    def _grow(self, root: Root, k: int, topk: int, budget: Budget
-              ) -> tuple[list[int], list[int]]:
-        """The draft tree's nodes (draft-vocabulary ids, parents), grown level by level."""
-        return grow_tree(root.logprobs, root.expand, depth=k, topk=topk, beam=topk,
-                         budget=budget)
+    def _grow(self, root: Root, k: int, topk: int, budget: Budget) -> Growing:
+        """The draft tree's nodes (draft-vocabulary ids, parents), grown level by level: a
+        generator of the levels it needs (see `drafting`)."""
+        return (yield from self._asking(root, growing(root.logprobs, depth=k, topk=topk,
+                                                      beam=topk, budget=budget)))
+
+    def _asking(self, root: Root, grow: Generator[Level, torch.Tensor, Tree]) -> Growing:
+        """`grow`'s levels asked as Asks of this root; the time it waits for an answer beyond
+        the seconds the answer charges it is not its own (`_away`: a batch's other members')."""
+        try:
+            asked = next(grow)
+            while True:
+                paused = perf_counter()
+                logprobs, seconds = yield Ask(root, *asked)
+                self._away += perf_counter() - paused - seconds
+                asked = grow.send(logprobs)
+        except StopIteration as done:
+            return done.value
 
     # --- the shared step --------------------------------------------------------------------
 
@@ -189,7 +226,21 @@ class HeadProposer(ABC):
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig,
                 generator: torch.Generator, root: Root | None = None) -> Draft:
         """As Proposer's; `root`: this step's root, computed with other members' in one call
-        (given only where `runs_head(k)`); None = its own `_root`."""
+        (given only where `runs_head(k)`); None = its own `_root`. Each tree level comes from
+        the root's own `expand`."""
+
+        def answer(ask: Ask) -> tuple[torch.Tensor, float]:
+            started = perf_counter()
+            return ask.root.expand(ask.frontier, ask.found), perf_counter() - started
+
+        return drive(self.drafting(tokens, k, root), answer)
+
+    def drafting(self, tokens: list[int], k: int, root: Root | None = None
+                 ) -> Generator[Ask, tuple[torch.Tensor, float], Draft]:
+        """`propose` as a generator: it yields each tree level it needs (an Ask) and is sent
+        that level's log-probabilities [F, N] with the seconds they cost this proposer, and
+        returns the Draft; so a batch's shared heads can grow every member's tree in
+        lockstep, one call a level for all of them (`forerun.propose.eagle.SharedEagle`)."""
         self._learn(tokens)
         chain, chain_scores = self.lookup.propose(tokens, k) if self.lookup and k else ([], [])
         if not self.runs_head(k):  # no feature yet, or resting: lookup alone
@@ -203,6 +254,7 @@ class HeadProposer(ABC):
             root = root._replace(seconds=grown - started)
         else:
             grown = perf_counter()
+        self._away = 0.0
         k = self._levels(k)
         if self.lookup is not None:
             k = min(k, LOOKUP_HEAD_DEPTH)
@@ -211,9 +263,9 @@ class HeadProposer(ABC):
         self._take = len(chain)
         if self.tree == AUTO_TREE:
             budget = self._auto_budget(chain_scores)
-        ids, parents = self._grow(root, k, topk, budget)
+        ids, parents = yield from self._grow(root, k, topk, budget)
         # a backlog's catch-up (over more than CATCHUP_ROWS rows) is priced at a step's rows
-        elapsed = (perf_counter() - grown
+        elapsed = (perf_counter() - grown - self._away
                    + root.seconds * min(1.0, CATCHUP_ROWS / max(1, root.caught_up)))
         self.head_seconds = elapsed if not self.head_seconds else (
             self.head_seconds + HEAD_SECONDS_MEMORY * (elapsed - self.head_seconds))

@@ -136,6 +136,11 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out[:, :, :T]
 
 
+# a sequence's share of a multi-sequence block pass: (k cache, v cache [Hkv, capacity, hd],
+# its first new slot, its row count T, its mask [T, start+T] bool or None)
+CacheRows = tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None]
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -152,12 +157,22 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
         # x: [T, D]; k_cache, v_cache: [Hkv, capacity, hd]; mask: [T, start+T] bool or None
-        T = x.shape[0]
-        q, k, v = self.qkv(x, cos, sin)
-        k_cache[:, start:start + T] = k
-        v_cache[:, start:start + T] = v
-        keys, values = k_cache[:, :start + T], v_cache[:, :start + T]  # [Hkv, S, hd]
-        return self.finish(x, attend(q, keys, values, mask, self.invariant))
+        return self.forward_parts(x, cos, sin, [(k_cache, v_cache, start, x.shape[0], mask)])
+
+    def forward_parts(self, x, cos, sin, parts: list[CacheRows]):
+        """The block over the rows x [R, D] of several sequences: part (k_cache, v_cache,
+        start, T, mask) owns the next T rows, written to its cache's slots start.. and
+        attending to that cache alone (mask [T, start+T] or None); the linears run once over
+        all R rows. A batch's drafting heads (EAGLE) step every member in one call."""
+        q, k, v = self.qkv(x, cos, sin)  # [H, R, hd], [Hkv, R, hd], [Hkv, R, hd]
+        outs, r = [], 0
+        for k_cache, v_cache, start, T, mask in parts:
+            k_cache[:, start:start + T] = k[:, r:r + T]
+            v_cache[:, start:start + T] = v[:, r:r + T]
+            keys, values = k_cache[:, :start + T], v_cache[:, :start + T]  # [Hkv, S, hd]
+            outs.append(attend(q[:, r:r + T], keys, values, mask, self.invariant))
+            r += T
+        return self.finish(x, outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
 
     def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> q [H, T, hd], k [Hkv, T, hd] (both rotated), v [Hkv, T, hd]."""
@@ -253,6 +268,12 @@ class TorchRuntime:
                                          reduced_vocab=True, static_passes=self._static_on,
                                          cuda_graphs=graphs)
         self.curve = None  # forerun.profile's calibration, at its first use
+
+    def set_invariant(self, on: bool) -> None:
+        """Turn the row-invariant kernels (see `invariant` above) on or off, for the model's
+        forks and batched views too; prepacked models only (elsewhere it stays off)."""
+        self.invariant = on and self.prepacked
+        self._set_invariant()
 
     def _set_invariant(self) -> None:
         """Row-invariant kernels on every prepacked linear and attention of the model."""
