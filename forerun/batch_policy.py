@@ -19,6 +19,14 @@ until the first rejection: `forerun.policy.expected_tokens`), while tokens per s
 
 where draft(k) is the shared draft model's rounds: round r runs the members with k_b >= r.
 Output never depends on the choice (every k is lossless); only speed does.
+
+A member at k = 0 shows nothing of its acceptance, so a low estimate could keep it at 0 for
+good. The policy therefore reads each member's acceptance optimistically, its running rate
+plus EXPLORE / sqrt(evidence) (little evidence: a generous rate, so it drafts where drafting
+may pay and learns), and a member left at k = 0 ages its evidence by one position a step: after
+a while at rest it probes again, if spare compute allows (at large batches even a generous rate
+chooses no draft, so nothing is spent there). Measured on this pair (bf16, 2-core EPYC), the
+prior alone (0.5) chose k = 0 at batch 1 where fixed k = 4 ran 1.22x faster than plain.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from forerun.runtime.batch import BatchRuntime, PackedBatch
 # Per-member acceptance before any evidence (as the one-sequence cost policy's prior), worth a
 # few positions, forgetting over ~64 positions: it follows the text
 ACCEPTANCE_PRIOR, PRIOR_TRIALS, ACCEPTANCE_MEMORY = 0.5, 4.0, 64.0
+EXPLORE = 0.5  # optimism: the rate read is rate + EXPLORE / sqrt(trials + PRIOR_TRIALS), <= 1
 BATCH_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # rows of the calibration passes
 CURVE_MEMBERS = 8  # sequences a calibration pass spreads its rows over (attention per member)
 CURVE_CONTEXT = 200  # tokens each of them holds, as in a short chat
@@ -88,8 +97,12 @@ class BatchCostPolicy:
     estimates: dict[int, AcceptanceEstimate] = field(default_factory=dict)
 
     def choose(self, members: list[int], caps: list[int]) -> list[int]:
-        rates = [self._estimate(m).rate for m in members]
-        return self.cost.choose(rates, caps)
+        estimates = [self._estimate(m) for m in members]
+        ks = self.cost.choose([optimistic(e) for e in estimates], caps)
+        for e, k in zip(estimates, ks, strict=True):
+            if not k:  # at rest: its evidence ages, so it probes again in a while
+                e.age()
+        return ks
 
     def update(self, member: int, drafted: int, accepted: int) -> None:
         if drafted:
@@ -103,6 +116,11 @@ class BatchCostPolicy:
             self.estimates[member] = AcceptanceEstimate(ACCEPTANCE_PRIOR, PRIOR_TRIALS,
                                                         ACCEPTANCE_MEMORY)
         return self.estimates[member]
+
+
+def optimistic(e: AcceptanceEstimate) -> float:
+    """The acceptance a member is priced at: its rate plus a bonus that shrinks with evidence."""
+    return min(1.0, e.rate + EXPLORE / (e.trials + e.prior_trials) ** 0.5)
 
 
 def measure_batch_curve(runtime: BatchRuntime, vocab_size: int,

@@ -6,7 +6,9 @@ every member to its cap when drafts are accepted; a linear one (compute-bound: e
 a token's pass) drafts nothing; on a curve that is flat up to R rows then linear, the total
 of the chosen draft tokens stays within the flat part and shrinks to 0 as the batch grows
 past R; a costly draft round drafts less; a member that is rarely accepted gets less than one
-that is; the calibration pass leaves the runtime's pool as it found it.
+that is; a new member is priced optimistically (it drafts where a prior-rate member would not),
+and one at rest after bad evidence comes back to drafting as its evidence ages; the calibration
+pass leaves the runtime's pool as it found it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ import pytest
 from conftest import tiny_model
 
 from forerun.batch_engine import run_to_completion
-from forerun.batch_policy import BatchCost, BatchCostPolicy, measure_batch_curve
+from forerun.batch_policy import (
+    ACCEPTANCE_PRIOR,
+    BatchCost,
+    BatchCostPolicy,
+    measure_batch_curve,
+)
 from forerun.profile import ForwardCurve
 from forerun.runtime.batch import BatchTorchRuntime
 from forerun.runtime.torch_model import TorchRuntime
@@ -57,6 +64,28 @@ def test_the_policy_learns_each_member_s_acceptance():
     assert ks[0] > ks[1]
     policy.forget(2)
     assert 2 not in policy.estimates
+
+
+# one member: a 2-row pass costs 1.16x a 1-row one, a draft round 0.43x: drafting pays at an
+# acceptance over ~0.59 only
+PAIR = BatchCost(ForwardCurve((1, 2, 4), (0.186, 0.215, 0.250)),
+                 ForwardCurve((1, 2), (0.080, 0.090)))
+
+
+def test_a_new_member_is_priced_optimistically_and_a_resting_one_probes_again():
+    assert PAIR.choose([ACCEPTANCE_PRIOR - 0.05], [4]) == [0]  # the bare prior would not draft
+    policy = BatchCostPolicy(PAIR)
+    assert policy.choose([1], [4])[0] > 0  # little evidence: optimistic, so it drafts and learns
+    for _ in range(10):
+        policy.update(1, 2, 0)  # rejected every time
+    rests = 0
+    while policy.choose([1], [4]) == [0]:
+        rests += 1
+        assert rests < 500
+    assert rests > 10  # it rested, then probed again as its evidence aged
+    for _ in range(10):
+        policy.update(2, 4, 4)  # accepted every time: it keeps drafting
+    assert policy.choose([2], [4])[0] >= 2
 
 
 def test_batched_greedy_stays_lossless_under_the_batch_policy_and_drafts():

@@ -97,6 +97,13 @@ class AcceptanceEstimate:
     def rate(self) -> float:
         return (self.accepted + self.prior * self.prior_trials) / (self.trials + self.prior_trials)
 
+    def age(self, positions: float = 1.0) -> None:
+        """Discount the evidence as if `positions` newer ones had been seen, without seeing
+        them: the estimate drifts back toward its prior (a drafter at rest)."""
+        keep = math.exp(-positions / self.memory)
+        self.accepted *= keep
+        self.trials *= keep
+
     def observe(self, accepted: int, drafted: int) -> None:
         """`accepted` of `drafted` positions, in order: a rejection at position j shows
         positions < j accepted and j rejected; later positions were never tested."""
