@@ -135,6 +135,8 @@ def markdown(cells: list[ThroughputCell], title: str) -> str:
 
 def plot(path, cells: list[ThroughputCell], title: str) -> None:
     """Total tok/s against batch size, one line per system and mode."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,7 +150,7 @@ def plot(path, cells: list[ThroughputCell], title: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequences in the batch")
     ax.set_ylabel("total tokens/s")
-    ax.set_title(title)
+    ax.set_title(textwrap.fill(title, 90), fontsize=9)  # a long title stays inside the figure
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
