@@ -298,3 +298,15 @@ def test_library_stamp_changes_with_a_rebuilt_library(tmp_path):
     os.utime(lib, ns=(0, lib.stat().st_mtime_ns + 1))
     assert _library_stamp(tmp_path) != first
     assert _library_stamp(tmp_path / "missing") == []
+
+
+@real
+def test_invariant_kernels_are_a_torch_option(tmp_path):
+    with pytest.raises(ModelError, match="torch runtime"):
+        Engine(SMOL, None, spec=SpecConfig("none"),
+               load=LoadConfig(runtime="llama.cpp", context=CONTEXT, invariant=True))
+    target = tmp_path / "target"
+    write_hf_dir(target, random_hf_weights(len(byte_tokens()), seed=0), byte_tokens())
+    engine = Engine(str(target), None, spec=SpecConfig("none"),
+                    load=LoadConfig(dtype="float32", invariant=True))
+    assert engine.target.invariant == engine.target.prepacked  # on where the kernels apply
