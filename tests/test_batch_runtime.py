@@ -3,7 +3,8 @@ its own would (tiny float64 models), and the cache pool hands out and takes back
 
 Properties: prefill, chain and tree passes of members of different lengths, batched in any
 mix, give each member the logits a one-sequence runtime gives it (float64: equal to 1e-12, and
-the same argmax); `commit` after a tree pass equals `keep` on the one-sequence runtime; the
+the same argmax; decode-sized rows attend in plain matmuls, prompts through SDPA); `commit` after
+  a tree pass equals `keep` on the one-sequence runtime; the
 pool refuses what does not fit, frees and merges regions, and a member never sees another's
 cache.
 """

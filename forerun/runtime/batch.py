@@ -38,7 +38,7 @@ import torch
 
 from forerun.runtime.base import Capabilities, ForwardOutput
 from forerun.runtime.batch_static import BatchStaticPasses
-from forerun.runtime.torch_model import TorchRuntime, attend, rms_norm, rope_tables
+from forerun.runtime.torch_model import TorchRuntime, attend, attend_rows, rms_norm, rope_tables
 
 
 class PoolFull(RuntimeError):
@@ -196,6 +196,15 @@ class CachePool:
         return len(self._regions)
 
 
+# A member bringing at most this many new rows to a pass (decode and verify steps, not prompts)
+# attends in plain float32 matmuls (`attend_rows`) instead of SDPA: on a CPU, SDPA's kernels
+# cost ~0.4 ms a call for one query row over 286 keys in bf16 (0.07 ms in matmuls; 2.2 against
+# 0.24 over 1300 keys), and a 32-member decode step makes 896 such calls (2-core EPYC, bf16
+# target, 270-token contexts: 52% of a 771 ms step). Its rounding differs from SDPA's, so with
+# row-invariant kernels (`invariant`) members attend through SDPA, as the one-sequence runtime.
+SMALL_ATTENTION_ROWS = 64
+
+
 class BatchTorchRuntime:
     """Our Transformer over a CachePool: `forward(batch)` runs one pass for every member.
 
@@ -318,7 +327,9 @@ class BatchTorchRuntime:
             T = rows.stop - rows.start
             kc[:, s:s + T], vc[:, s:s + T] = k[:, rows], v[:, rows]
             keys, values = kc[:, r.start:s + T], vc[:, r.start:s + T]  # [Hkv, S_b, hd]
-            outs.append(attend(q[:, rows], keys, values, masks[b], layer.invariant))  # [1,H,T_b,hd]
+            small = T <= SMALL_ATTENTION_ROWS and not layer.invariant
+            outs.append(attend_rows(q[:, rows], keys, values, masks[b]) if small else
+                        attend(q[:, rows], keys, values, masks[b], layer.invariant))  # [1,H,T,hd]
         return layer.finish(x, torch.cat(outs, dim=2))  # [N, D]
 
     @staticmethod

@@ -13,6 +13,7 @@ new block plus the new tokens its mask allows (causal for chains, explicit for t
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +135,24 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                          attn_mask=mask, enable_gqa=True)  # [1, H, T', hd]
     return out[:, :, :T]
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+    """`attend` for a few query rows, in plain float32 (float64) matmuls: softmax(q k^T /
+    sqrt(hd)) v, the query heads that share a KV head side by side (GQA without copying the
+    keys). q [H, T, hd], keys and values [Hkv, S, hd], mask [T, S] bool or None -> [1, H, T,
+    hd]. On a CPU it is several times faster than SDPA for one to a few rows (see
+    `forerun.runtime.batch.SMALL_ATTENTION_ROWS`)."""
+    H, T, hd = q.shape
+    hkv = keys.shape[0]
+    g = H // hkv  # query heads per KV head: head h reads KV head h // g, as enable_gqa
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(acc).reshape(hkv, g * T, hd) @ keys.to(acc).transpose(-1, -2)) * hd ** -0.5
+    if mask is not None:  # [Hkv, g*T, S]
+        scores = scores.view(hkv, g, T, -1).masked_fill(~mask, -math.inf).view(hkv, g * T, -1)
+    out = scores.softmax(-1) @ values.to(acc)  # [Hkv, g*T, hd]
+    return out.view(1, H, T, hd).to(q.dtype)
 
 
 # a sequence's share of a multi-sequence block pass: (k cache, v cache [Hkv, capacity, hd],
