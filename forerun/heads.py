@@ -250,9 +250,8 @@ class Heads(nn.Module):
                    mask: torch.Tensor | None) -> torch.Tensor:
         """One pass of the decoder layer: input fc([feature; e(token)]) at `positions`, cache
         slots start..; mask [T, start+T] (None = causal for T = 1). -> o [T, D]."""
-        x = self.fc(torch.cat([feature, self.embed_of(token)], dim=-1))  # [T, D]
-        cos, sin = self.cos[positions], self.sin[positions]
-        return self.layer(x, cos, sin, k_cache, v_cache, start, mask)
+        return self.eagle_steps(feature, token, positions,
+                                [(k_cache, v_cache, start, feature.shape[0], mask)])
 
     def eagle_steps(self, feature: torch.Tensor, token: torch.Tensor, positions: torch.Tensor,
                     parts: list[CacheRows]) -> torch.Tensor:

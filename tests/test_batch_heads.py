@@ -114,6 +114,21 @@ def test_generate_batch_with_heads_equals_generate(kind, tree):
         assert out.stats.drafted > 0
 
 
+def _per_step(rows: list[int], monkeypatch) -> list[tuple[list[int], list]]:
+    """Each batch step's (the `rows` appended during it, its members' Steps), filled as
+    `generate_batch` runs."""
+    calls, inner = [], batch_engine.step
+
+    def step(*args, **kwargs):
+        before = len(rows)
+        results = inner(*args, **kwargs)
+        calls.append((rows[before:], results))
+        return results
+
+    monkeypatch.setattr(batch_engine, "step", step)
+    return calls
+
+
 @pytest.mark.parametrize(("kind", "tree"), [("medusa", 0), ("medusa", 6), ("hydra", 0),
                                             ("hydra", 5)])
 def test_generate_batch_calls_the_heads_once_a_step_for_every_drafting_member(kind, tree,
@@ -131,15 +146,7 @@ def test_generate_batch_calls_the_heads_once_a_step_for_every_drafting_member(ki
     def count(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
         rows.append(args[0].shape[0])  # f (Medusa) or z (Hydra) [B, D]
 
-    calls, inner = [], batch_engine.step  # per step: (its calls' rows, its members' Steps)
-
-    def step(*args, **kwargs):
-        before = len(rows)
-        results = inner(*args, **kwargs)
-        calls.append((rows[before:], results))
-        return results
-
-    monkeypatch.setattr(batch_engine, "step", step)
+    calls = _per_step(rows, monkeypatch)
     hook = heads.blocks[0].register_forward_hook(count)
     budgets = [30, 9, 25, 14, 20]
     try:  # three at a time: the fourth and fifth join as the first ones finish
@@ -181,15 +188,7 @@ def test_generate_batch_steps_the_eagle_layer_once_a_level_for_every_drafting_me
         rows.append(x.shape[0])  # x [R, D]
         return layer(x, *args)
 
-    calls, inner = [], batch_engine.step  # per step: (its layer calls' rows, its Steps)
-
-    def step(*args, **kwargs):
-        before = len(rows)
-        results = inner(*args, **kwargs)
-        calls.append((rows[before:], results))
-        return results
-
-    monkeypatch.setattr(batch_engine, "step", step)
+    calls = _per_step(rows, monkeypatch)
     monkeypatch.setattr(heads.layer, "forward_parts", count)
     budgets = [30, 9, 25, 14, 20]
     # three at a time: the fourth and fifth join as the first ones finish
