@@ -12,33 +12,31 @@ import gc
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
-from forerun.batch_engine import Sequence, run_to_completion
-from forerun.batch_policy import BatchCost, BatchCostPolicy, measure_batch_curve
+from forerun.batch_policy import measure_batch_curve
+from forerun.batch_session import BatchSession
 from forerun.engine import speculative_decode
-from forerun.heads import KINDS, PRECISIONS, Heads, load_heads, w8a8_available
+from forerun.heads import PRECISIONS, Heads, load_heads, w8a8_available
 from forerun.metrics import GenerationStats, Step
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
 from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model, resolve_dtype, target_io
-from forerun.models.tokenizer import IncrementalDecoder, TextTokenizer
-from forerun.policy import POLICIES, FixedK, LengthPolicy
+from forerun.models.tokenizer import TextTokenizer
+from forerun.policy import POLICIES, LengthPolicy
 from forerun.profile import ForwardCurve
-from forerun.propose import AUTO_TREE, AUTO_TREE_MAX, PROPOSERS, ProposerContext, SpecConfig
-from forerun.propose.draft_batch import SharedDraftModel
+from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.reference import plain_decode
 from forerun.runtime.base import Runtime
 from forerun.runtime.batch import BatchRuntime, BatchTorchRuntime
+from forerun.runtime.forked import ForkedBatch
 from forerun.runtime.torch_model import TorchRuntime
 from forerun.sampling import SamplingConfig, make_generator
-from forerun.stopping import StopStrings
+from forerun.stopping import StopStrings, TextOut
 
 DEFAULT_MAX_TOKENS = 256
 # KV memory of a batch (per model), reserved per sequence for its prompt + max_tokens
 DEFAULT_KV_BUDGET_BYTES = 2 << 30
-MAX_BATCH_K = 16  # the adaptive policy's longest draft (AdaptiveK.k_max): its cache slack
 
 
 @dataclass(frozen=True)
@@ -248,18 +246,12 @@ class Engine:
                 policy = CappedK(policy, k_cap)
             steps = speculative_decode(self.target, proposer, policy, ids, sampling, max_tokens,
                                        stop_ids, generator)
-        decoder, stops, text, sent = IncrementalDecoder(self.tokenizer), StopStrings(stop), "", 0
+        out = TextOut(self.tokenizer, stop)
         for step in steps:
-            new = decoder.push(step.tokens, final=step.finish_reason is not None)
-            text += new
-            hit = stops.feed(new)
-            if hit is not None:
-                yield Chunk(text[sent:hit], step.tokens, replace(step, finish_reason="stop"))
+            text, hit = out.push(step.tokens, final=step.finish_reason is not None)
+            yield Chunk(text, step.tokens, replace(step, finish_reason="stop") if hit else step)
+            if hit:
                 return
-            # hold back a tail that may be the start of a stop string
-            safe = len(text) if step.finish_reason else len(text) - stops.held
-            yield Chunk(text[sent:safe], step.tokens, step)
-            sent = safe
 
     def generate(self, prompt: str | list[int], *, raw: bool = False,
                  on_text: Callable[[str], None] | None = None, **kwargs) -> Completion:
@@ -287,68 +279,44 @@ class Engine:
                        max_tokens: int | list[int] = DEFAULT_MAX_TOKENS,
                        stop: tuple[str, ...] = (), raw: bool = False,
                        spec: SpecConfig | None = None, max_batch: int | None = None,
-                       kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES) -> list[Completion]:
+                       kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES,
+                       max_batch_tokens: int | None = None) -> list[Completion]:
         """Decode many prompts together: every step is one target pass over all the live ones
-        (`forerun.batch_engine`), each sequence still getting exactly its own output. A prompt
+        (`forerun.batch_session`), each sequence still getting exactly its own output. A prompt
         is text (chat-templated unless `raw`), token ids, or a chat's messages. `sampling` and
         `max_tokens` may be one per prompt. Sequences wait for KV memory (`kv_budget_bytes`,
-        reserved per sequence for its prompt + max_tokens) and for `max_batch`. -> one
+        reserved per sequence for its prompt + max_tokens) and for `max_batch`; a pass holds at
+        most `max_batch_tokens` rows (prompts in chunks; None: whole prompts). -> one
         Completion per prompt, in order."""
         spec, n = spec or self.spec, len(prompts)
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingConfig()] * n
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * n
         if len(samplings) != n or len(budgets) != n:
             raise ValueError("give one sampling config and one max_tokens per prompt, or one")
-        if any(b < 1 for b in budgets):
-            raise ValueError(f"max_tokens must be >= 1, got {min(budgets)}")
-        target = self._batch_runtime("target", self.target, kv_budget_bytes)
-        shared = None
-        if spec.method == "draft":
-            if self.draft is None:
-                raise ValueError("method 'draft' needs a draft model (--draft)")
-            shared = SharedDraftModel(self._batch_runtime("draft", self.draft, kv_budget_bytes),
-                                      self.target.config.vocab_size)
-        elif spec.method in KINDS and self.heads is not None and not (
-                target.capabilities.exposes(self.heads.cfg.layers)):
-            raise ModelError(f"{spec.method} heads draft from the target's features, which this "
-                             f"runtime's batched passes do not return; use --runtime torch, or "
-                             f"decode one prompt at a time (generate)")
-        seqs = []
-        group: dict[str, Any] = {}  # the members' shared drafter state (Medusa's, Hydra's heads)
+        session = BatchSession(self, kv_budget_bytes,
+                               joint=spec.policy == "cost" and spec.method != "none",
+                               max_batch=max_batch, max_batch_tokens=max_batch_tokens)
+        seqs, texts = [], {}
         for prompt, s, budget in zip(prompts, samplings, budgets, strict=True):
             ids = (self.tokenizer.encode_chat(prompt) if prompt and isinstance(prompt[0], dict)
                    else self.encode(prompt, raw))
-            seq = Sequence(ids, s, budget, make_generator(s.seed), self.tokenizer.stop_ids)
-            if spec.method != "none":
-                seq.max_k = _max_nodes(spec)
-                # each member its own drafter state (and stores: an EAGLE head's cache)
-                seq.proposer = (shared.proposer(seq.slots()) if shared
-                                else PROPOSERS[spec.method](spec, ProposerContext(
-                                    self.target, None, self.heads, self.tokenizer,
-                                    capacity=seq.slots(), batch=group)))
-                # the cost policy chooses every member's k together (forerun.batch_policy)
-                seq.policy = (FixedK(spec.k) if spec.policy == "cost" else
-                              POLICIES[spec.policy](spec, self.target, seq.proposer.runtime))
+            seq = session.sequence(ids, s, budget, spec)
             seqs.append(seq)
-        lengths = None
-        if spec.policy == "cost" and spec.method != "none":
-            lengths = BatchCostPolicy(BatchCost(
-                self._batch_curve(target), None if shared is None else
-                self._batch_curve(shared.runtime)))
-        texts = {id(q): ([], IncrementalDecoder(self.tokenizer), StopStrings(stop)) for q in seqs}
-
-        def on_step(seq: Sequence, step: Step) -> bool:  # text, and stop strings, as stream()
-            parts, decoder, stops = texts[id(seq)]
-            new = decoder.push(step.tokens, final=step.finish_reason is not None)
-            hit = stops.feed(new)
-            parts.append(new)
-            if hit is not None:
-                text = "".join(parts)
-                parts[:] = [text[:hit]]
-            return hit is not None
-
+            texts[id(seq)] = ([], TextOut(self.tokenizer, stop))
         start = time.perf_counter()
-        run_to_completion(target, seqs, max_batch, on_step, lengths)
+        for seq in seqs:
+            session.add(seq)
+        while not session.idle:
+            for seq, result in session.step():
+                if seq.error is not None:
+                    session.drop_all()
+                    raise seq.error
+                parts, out = texts[id(seq)]
+                text, hit = out.push(result.tokens, final=result.finish_reason is not None)
+                parts.append(text)
+                if hit:
+                    seq.finish = "stop"
+                    session.drop(seq)
         k = spec.k if spec.method != "none" else 0
         return [Completion("".join(texts[id(q)][0]), [t for st in q.steps for t in st.tokens],
                            q.finish or "length",
@@ -360,30 +328,22 @@ class Engine:
         the last reset."""
         return sum(rt.kv_peak_bytes(reset) for _, rt in self._batches.values())
 
-    def _batch_curve(self, runtime: BatchRuntime) -> ForwardCurve:
+    def batch_curve(self, view: BatchRuntime) -> ForwardCurve:
         """Seconds of a pass over n rows of a batched view, measured at its first use."""
-        role = next(r for r, (_, rt) in self._batches.items() if rt is runtime)
+        role = next(r for r, (_, rt) in self._batches.items() if rt is view)
         if role not in self._batch_curves:
-            self._batch_curves[role] = measure_batch_curve(runtime, self.target.config.vocab_size)
+            self._batch_curves[role] = measure_batch_curve(view, self.target.config.vocab_size)
         return self._batch_curves[role]
 
-    def _batch_runtime(self, role: str, runtime: Runtime, budget: int) -> BatchRuntime:
-        """The batched view of the target or the draft, kept while the budget stays (its pool
-        and its measured curve are reused)."""
+    def batch_view(self, role: str, budget: int) -> BatchRuntime:
+        """The batched view of the target or the draft ("target", "draft"), its KV cache sized
+        by `budget` bytes; kept while the budget stays (its pool and its measured curve are
+        reused)."""
         if self._batches.get(role, (None,))[0] != budget:
+            runtime = self.target if role == "target" else self.draft
             self._batches[role] = (budget, _batched(runtime, budget))
             self._batch_curves.pop(role, None)
         return self._batches[role][1]
-
-
-def _max_nodes(spec: SpecConfig) -> int:
-    """The most draft nodes one verify pass of a batch member may hold (its cache slack): a
-    chain's k (the adaptive policy's longest), a head tree's node budget (an automatic one's
-    most, and a lookup branch's chain beside it)."""
-    k = MAX_BATCH_K if spec.policy == "adaptive" else spec.k
-    if spec.method not in KINDS or spec.tree == 0:
-        return k + (k if spec.lookup else 0)
-    return (AUTO_TREE_MAX if spec.tree == AUTO_TREE else spec.tree) + (k if spec.lookup else 0)
 
 
 def _batched(runtime: Runtime, budget: int) -> BatchRuntime:
@@ -395,9 +355,9 @@ def _batched(runtime: Runtime, budget: int) -> BatchRuntime:
         from forerun.runtime.llama_cpp import LlamaCppRuntime
     except ImportError:
         LlamaCppRuntime = None
-    if LlamaCppRuntime is None or not isinstance(runtime, LlamaCppRuntime):
-        raise ModelError("batched decoding runs on the torch and llama.cpp runtimes")
-    return BatchLlamaRuntime.with_budget(runtime, budget)
+    if LlamaCppRuntime is not None and isinstance(runtime, LlamaCppRuntime):
+        return BatchLlamaRuntime.with_budget(runtime, budget)
+    return ForkedBatch(runtime)  # any other runtime: a fork per member, one pass each
 
 
 def _find_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:

@@ -3,10 +3,13 @@
 Owns: `Sequence`, the one record of a sequence's state (tokens, cache handle, drafter,
 length policy, generator, sampling, limits), and `step`, the phases of one pass over a batch:
 
-  1. propose   each decoding member drafts up to its k (its policy's choice; k = 0 is a plain
-               decoding step); a new member's prompt is its prefill
+  1. propose   each decoding member drafts up to its k (its policy's choice, or the batch's;
+               k = 0 is a plain decoding step); a new member's prompt is its prefill. A
+               member whose drafter raises fails alone (`Sequence.error`), out of the pass
   2. pack      every member's new tokens into one PackedBatch (pending token + draft; a tree
-               with its mask and depths)
+               with its mask and depths); under a token budget (`max_tokens`), decode rows
+               first and prompts in chunks with what is left (at least `prefill_share` of
+               it), so a long prompt never stalls the decodes around it
   3. forward   one target pass over all of them
   4. verify    each member on its own rows: greedy from one argmax over the batch; sampled
                members through one probability transform and one batched rejection sampler,
@@ -24,6 +27,7 @@ where the time goes, is shared. Knows nothing of text.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
@@ -41,6 +45,10 @@ from forerun.tree import TokenTree
 from forerun.verify import TreeVerdict, Verdict, greedy_accept, recursive_rejection_sample
 from forerun.verify_batch import batch_rejection_sample
 
+# Under a pass's token budget, prompt chunks get at least this share of it however many
+# decode rows there are: a queue of prompts keeps moving under a full batch
+PREFILL_SHARE = 0.25
+
 
 @dataclass
 class Sequence:
@@ -54,15 +62,21 @@ class Sequence:
     proposer: Proposer | None = None
     policy: LengthPolicy | None = None
     max_k: int = 0  # the most draft nodes a step may verify (reserves cache slack)
+    k_limit: int = sys.maxsize  # the most draft tokens a step may propose now (a server's cap)
     handle: int = -1  # the cache pool's region; -1 = not admitted
     tokens: list[int] = field(default_factory=list)  # prompt + emitted (+ pending)
     emitted: int = 0
-    finish: str | None = None
+    fed: int = 0  # prompt tokens in the target's cache while the prefill is chunked
+    finish: str | None = None  # "stop", "length", or "error" (then `error` says why)
+    error: BaseException | None = None
     steps: list[Step] = field(default_factory=list)
 
     @property
     def prefilled(self) -> bool:
         return bool(self.tokens)
+
+    def fail(self, error: BaseException) -> None:
+        self.error, self.finish = error, "error"
 
     def slots(self) -> int:
         """Cache slots it can ever need: prompt, new tokens, one verify pass beyond them."""
@@ -90,33 +104,45 @@ def retire(runtime: BatchRuntime, seq: Sequence) -> None:
         seq.handle = -1
 
 
-def step(runtime: BatchRuntime, live: list[Sequence],
-         lengths: BatchCostPolicy | None = None) -> list[Step]:
-    """One target pass for every sequence in `live` (admitted, unfinished) -> their Steps.
-    `lengths` chooses every member's k together (else each member's own policy does)."""
+def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy | None = None,
+         max_tokens: int | None = None, prefill_share: float = PREFILL_SHARE
+         ) -> list[Step | None]:
+    """One target pass for the sequences in `live` (admitted, unfinished) -> each one's Step,
+    None for a member that emitted nothing (it sat out, or fed a prompt chunk, or failed).
+    `lengths` chooses every member's k together (else each member's own policy does);
+    `max_tokens` caps the pass's rows (None: whole prompts)."""
     # 1. Propose: prompts for new members, pending token + draft for the others.
     drafts = _propose_all(runtime, live, lengths)
-    # 2. Pack every member's new tokens into one pass.
-    batch, trees, first_row = _pack(live, drafts)
-    bases = [runtime.length(s.handle) for s in live]
+    # 2. Pack every member's new tokens (decodes first, then prompt chunks) into one pass.
+    chunks = _chunks(live, drafts, max_tokens, prefill_share)
+    members = [b for b, s in enumerate(live) if not s.error and
+               (drafts[b] is not None or chunks[b])]
+    batch, trees, spans = _pack([live[b] for b in members], [drafts[b] for b in members],
+                                [chunks[b] for b in members])
+    bases = [runtime.length(live[b].handle) for b in members]
     # 3. One target pass over all of them (and the features their heads draft from).
-    output = runtime.forward(batch, _layers_wanted(live, drafts))
+    output = runtime.forward(batch, _layers_wanted([live[b] for b in members],
+                                                   [drafts[b] for b in members]))
     # 4. Verify every member on its own rows.
-    verdicts = _verify_all(live, drafts, trees, first_row, output.logits)
+    verdicts = _verify_all([live[b] for b in members], [drafts[b] for b in members], trees,
+                           spans, output.logits)
     now = time.perf_counter()
-    out = []
-    for b, (s, d, tree, verdict) in enumerate(zip(live, drafts, trees, verdicts, strict=True)):
-        rows = batch.rows_of(b)
-        if d is None:  # a prefill: its first token came from its last row
+    out: list[Step | None] = [None] * len(live)
+    for j, (b, tree, verdict) in enumerate(zip(members, trees, verdicts, strict=True)):
+        s, d, rows = live[b], drafts[b], batch.rows_of(j)
+        if d is None:  # a prompt chunk: the last one's last row gave the first token
+            s.fed += rows.stop - rows.start
+            if verdict is None:
+                continue
             needs = None if s.proposer is None else s.proposer.needs
             if needs is not None and needs.hidden_layers and needs.prompt_features:
                 skip = rows.start + needs.hidden_from(len(s.prompt))  # the rows its head reads
                 s.proposer.feed({i: output.hidden[i][skip:rows.stop] for i in needs.hidden_layers})
-            out.append(_emit(runtime, s, verdict.tokens, 0, 0, now, prefill=True))
+            out[b] = _emit(runtime, s, verdict.tokens, 0, 0, now, prefill=True)
             continue
         # 5. Commit the accepted path in the cache and the drafter (and its features).
         kept = [0, *(i + 1 for i in verdict.path)]  # the member's rows now final
-        runtime.commit(s.handle, bases[b], kept)
+        runtime.commit(s.handle, bases[j], kept)
         s.tokens.extend(verdict.tokens)
         drafted = max(tree.depth, default=0)
         if s.proposer is not None:
@@ -130,13 +156,36 @@ def step(runtime: BatchRuntime, live: list[Sequence],
             if lengths is not None:
                 lengths.update(id(s), drafted, len(verdict.path))
         # 7. Emit.
-        out.append(_emit(runtime, s, verdict.tokens, drafted, len(verdict.path), now))
+        out[b] = _emit(runtime, s, verdict.tokens, drafted, len(verdict.path), now)
     return out
 
 
+def _chunks(live: list[Sequence], drafts: list[Draft | None], max_tokens: int | None,
+            share: float) -> list[int]:
+    """Prompt tokens each prefilling member feeds this pass (0 for the decoding ones, and for
+    those the budget leaves out): decode rows first, then prompts in arrival order with what
+    is left of `max_tokens`, at least `share` of it. A member whose head reads its prompt's
+    features takes its whole prompt at once."""
+    left = [len(s.prompt) - s.fed if d is None and not s.error else 0
+            for s, d in zip(live, drafts, strict=True)]
+    if max_tokens is None:
+        return left
+    decode = sum(len(d.tokens) + 1 for d in drafts if d is not None)
+    budget = max(max_tokens - decode, int(share * max_tokens), 1)
+    chunks = [0] * len(live)
+    for b, n in enumerate(left):
+        if n and budget > 0:
+            needs = live[b].proposer.needs if live[b].proposer is not None else None
+            whole = needs is not None and needs.prompt_features and bool(needs.hidden_layers)
+            chunks[b] = n if whole else min(n, budget)
+            budget -= chunks[b]
+    return chunks
+
+
 def _verify_all(live: list[Sequence], drafts: list[Draft | None], trees: list[TokenTree | None],
-                first_row: list[int], logits: torch.Tensor) -> list[Verdict | TreeVerdict]:
-    """Every member's verdict from the pass's wanted rows `logits` [R, V]. Greedy members read
+                spans: list[range], logits: torch.Tensor) -> list[Verdict | TreeVerdict | None]:
+    """Every member's verdict from its `spans` of the pass's wanted rows `logits` [R, V] (None
+    for a prompt chunk that is not the last: it wants no row). Greedy members read
     one argmax over the batch (one host sync); sampled members' rows go to the host in one
     copy, through one probability transform (each row under its member's sampling), and the
     chains among them (a prefill or a plain step is a chain of no draft tokens) through one
@@ -144,11 +193,11 @@ def _verify_all(live: list[Sequence], drafts: list[Draft | None], trees: list[To
     The transform runs on the host as each member's did alone: its bits are then the same in
     any batch (a device's reductions round by the batch's shape)."""
     best = logits.argmax(-1).tolist()  # [R]
-    spans = [range(f, f + (1 if d is None else len(d.tokens) + 1))
-             for f, d in zip(first_row, drafts, strict=True)]  # each member's wanted rows
     verdicts: list[Verdict | TreeVerdict | None] = [None] * len(live)
     sampled = []
     for b, (s, d, tree) in enumerate(zip(live, drafts, trees, strict=True)):
+        if not spans[b]:
+            continue
         if not s.sampling.greedy:
             sampled.append(b)
         elif d is None or s.proposer is None:  # the argmax, as plain decoding takes it
@@ -183,15 +232,15 @@ def _draft_tokens(d: Draft | None) -> torch.Tensor:
     return torch.empty(0, dtype=torch.long) if d is None else d.tokens
 
 
-def _pack(live: list[Sequence], drafts: list[Draft | None]
-          ) -> tuple[PackedBatch, list[TokenTree | None], list[int]]:
-    """The pass's PackedBatch (a prefill's prompt, a verify's pending token + draft), each
-    member's draft tree, and the first of its rows among the wanted logits (a prefill wants its
-    last row, a verify every row; logit_rows None where that is every row of the pass)."""
+def _pack(live: list[Sequence], drafts: list[Draft | None], chunks: list[int]
+          ) -> tuple[PackedBatch, list[TokenTree | None], list[range]]:
+    """The pass's PackedBatch (a prompt chunk, a verify's pending token + draft), each member's
+    draft tree, and its rows among the wanted logits (a prompt's last chunk wants its last
+    row, an earlier chunk none, a verify every row; logit_rows None where that is every row)."""
     feeds, trees = [], []
-    for s, d in zip(live, drafts, strict=True):
+    for s, d, n in zip(live, drafts, chunks, strict=True):
         if d is None:
-            feeds.append(torch.tensor(s.prompt))
+            feeds.append(torch.tensor(s.prompt[s.fed:s.fed + n]))
             trees.append(None)
         else:
             feeds.append(torch.cat([torch.tensor(s.tokens[-1:]), d.tokens]))  # [N_b+1]
@@ -200,13 +249,16 @@ def _pack(live: list[Sequence], drafts: list[Draft | None]
         [(s.handle, f) for s, f in zip(live, feeds, strict=True)],
         positions=[None if t is None or t.is_chain else t.positions(0) for t in trees],
         tree_masks=[None if t is None or t.is_chain else t.mask() for t in trees])
-    wanted, first_row = [], []
-    for b, d in enumerate(drafts):
-        first_row.append(len(wanted))
+    wanted, spans = [], []
+    for b, (s, d, n) in enumerate(zip(live, drafts, chunks, strict=True)):
         rows = batch.rows_of(b)
-        wanted.extend([rows.stop - 1] if d is None else range(rows.start, rows.stop))
+        mine = (range(rows.start, rows.stop) if d is not None else
+                range(rows.stop - 1, rows.stop) if s.fed + n == len(s.prompt) else range(0))
+        spans.append(range(len(wanted), len(wanted) + len(mine)))
+        wanted.extend(mine)
     every = wanted == list(range(len(batch.tokens)))
-    return replace(batch, logit_rows=None if every else torch.tensor(wanted)), trees, first_row
+    return replace(batch, logit_rows=None if every else torch.tensor(wanted, dtype=torch.long)
+                   ), trees, spans
 
 
 def _layers_wanted(live: list[Sequence], drafts: list[Draft | None]) -> tuple[int, ...]:
@@ -221,14 +273,18 @@ def _layers_wanted(live: list[Sequence], drafts: list[Draft | None]) -> tuple[in
 
 def _propose_all(runtime: BatchRuntime, live: list[Sequence],
                  lengths: BatchCostPolicy | None) -> list[Draft | None]:
-    """Each member's draft (None for a member still to prefill). Members whose proposers share
-    a drafter (`group`) draft together, one pass per draft position for all of them."""
+    """Each member's draft (None for a member still to prefill, or one that failed). Members
+    whose proposers share a drafter (`group`) draft together, one pass per draft position for
+    all of them. A drafter that raises fails its member (a shared one, the members it drafted
+    for), not the batch."""
     drafts: list[Draft | None] = [None] * len(live)
-    decoding = [i for i, s in enumerate(live) if s.prefilled]
+    decoding = [i for i, s in enumerate(live) if s.prefilled and not s.error]
     caps = [0 if live[i].proposer is None else max(0, min(
-        live[i].max_new_tokens - live[i].emitted - 1, _room(runtime, live[i])))
+        live[i].max_new_tokens - live[i].emitted - 1, _room(runtime, live[i]), live[i].k_limit))
         for i in decoding]
-    ks = (lengths.choose([id(live[i]) for i in decoding], caps) if lengths is not None else
+    ks = (lengths.choose([id(live[i]) for i in decoding], caps,
+                         [live[i].proposer is not None and live[i].proposer.runtime is not None
+                          for i in decoding]) if lengths is not None else
           [min(c, live[i].policy.next_k()) if c else 0 for i, c in zip(decoding, caps,
                                                                         strict=True)])
     grouped: dict[int, tuple[BatchDrafter, list[tuple[int, DraftRequest]]]] = {}
@@ -237,12 +293,21 @@ def _propose_all(runtime: BatchRuntime, live: list[Sequence],
         if s.proposer is None:
             drafts[i] = Draft.empty()
         elif s.proposer.group is None:
-            drafts[i] = s.proposer.propose(s.tokens, k, s.sampling, s.generator)
+            try:
+                drafts[i] = s.proposer.propose(s.tokens, k, s.sampling, s.generator)
+            except Exception as e:  # its own failure: the batch goes on
+                s.fail(e)
         else:
             grouped.setdefault(id(s.proposer.group), (s.proposer.group, []))[1].append(
                 (i, DraftRequest(s.proposer, s.tokens, k, s.sampling, s.generator)))
     for group, requests in grouped.values():
-        for (i, _), draft in zip(requests, group.propose([r for _, r in requests]), strict=True):
+        try:
+            made = group.propose([r for _, r in requests])
+        except Exception as e:  # fails the members it drafted for
+            for i, _ in requests:
+                live[i].fail(e)
+            continue
+        for (i, _), draft in zip(requests, made, strict=True):
             drafts[i] = draft
     return [d if d is None else d.fit(_room(runtime, s)) for d, s in zip(drafts, live,
                                                                            strict=True)]
@@ -273,7 +338,8 @@ def run_to_completion(runtime: BatchRuntime, seqs: list[Sequence],
                       lengths: BatchCostPolicy | None = None) -> None:
     """Decode every sequence: admit while the pool and `max_batch` allow, step the live ones
     together, retire the finished (their regions go to the waiting). `on_step(seq, step)`
-    sees every step; True ends that sequence there (a stop string: finish "stop")."""
+    sees every step; True ends that sequence there (a stop string: finish "stop"). A member
+    that fails raises its error once the others are done."""
     waiting, live = list(seqs), []
     while waiting or live:
         while waiting and (max_batch is None or len(live) < max_batch):
@@ -285,10 +351,14 @@ def run_to_completion(runtime: BatchRuntime, seqs: list[Sequence],
                 break
             live.append(waiting.pop(0))
         for s, result in zip(live, step(runtime, live, lengths), strict=True):
-            if on_step is not None and on_step(s, result) and not s.finish:
+            if result is not None and on_step is not None and on_step(s, result) and \
+                    not s.finish:
                 s.finish = "stop"
         for s in [s for s in live if s.finish]:
             retire(runtime, s)
             live.remove(s)
             if lengths is not None:
                 lengths.forget(id(s))
+    failed = next((s.error for s in seqs if s.error is not None), None)
+    if failed is not None:
+        raise failed

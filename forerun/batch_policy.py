@@ -60,8 +60,10 @@ class BatchCost:
     verify: Callable[[float], float]
     draft_round: Callable[[float], float] | None = None
 
-    def choose(self, acceptance: list[float], caps: list[int]) -> list[int]:
-        """Every member's k (0..caps[b]) with the most expected tokens per second."""
+    def choose(self, acceptance: list[float], caps: list[int],
+               paid: list[bool] | None = None) -> list[int]:
+        """Every member's k (0..caps[b]) with the most expected tokens per second; `paid[b]`:
+        member b's drafting runs the shared draft model (None: every member's does)."""
         B = len(acceptance)
         k = [0] * B
         in_round = [0] * (max(caps, default=0) + 2)  # members drafting at each depth
@@ -74,7 +76,8 @@ class BatchCost:
                     continue
                 depth = k[b] + 1
                 extra = 0.0
-                if self.draft_round is not None:  # round `depth` gains one member
+                if self.draft_round is not None and (paid is None or paid[b]):
+                    # round `depth` gains one member
                     m = in_round[depth]
                     extra = self.draft_round(m + 1) - (self.draft_round(m) if m else 0.0)
                 gain = acceptance[b] ** depth
@@ -84,7 +87,7 @@ class BatchCost:
             if best < 0:
                 return k
             k[best] += 1
-            in_round[k[best]] += 1
+            in_round[k[best]] += paid is None or paid[best]
             tokens += acceptance[best] ** k[best]
             rows, drafting, rate = rows + 1, drafting + best_cost, best_rate
 
@@ -96,9 +99,10 @@ class BatchCostPolicy:
     cost: BatchCost
     estimates: dict[int, AcceptanceEstimate] = field(default_factory=dict)
 
-    def choose(self, members: list[int], caps: list[int]) -> list[int]:
+    def choose(self, members: list[int], caps: list[int],
+               paid: list[bool] | None = None) -> list[int]:
         estimates = [self._estimate(m) for m in members]
-        ks = self.cost.choose([optimistic(e) for e in estimates], caps)
+        ks = self.cost.choose([optimistic(e) for e in estimates], caps, paid)
         for e, k in zip(estimates, ks, strict=True):
             if not k:  # at rest: its evidence ages, so it probes again in a while
                 e.age()

@@ -3,12 +3,19 @@
 Owns: the checks both decoders share so that plain and speculative decoding stop at exactly the
 same token. A stop token ends generation and is not emitted (as in the OpenAI API). Stop strings
 are matched on the decoded text by `StopStrings`, which also says how much of the text's tail
-must be held back because it may be the start of a stop string.
+must be held back because it may be the start of a stop string; `TextOut` is the text side of
+one generation (incremental detokenizing, stop strings, the held-back tail) for every caller.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+from forerun.models.tokenizer import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from forerun.models.tokenizer import TextTokenizer
 
 
 class ContextError(ValueError):
@@ -76,6 +83,28 @@ class StopStrings:
     def held(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""
         return max(self.state, default=0)
+
+
+class TextOut:
+    """One generation's text: push each step's tokens, get the text that is safe to send (a
+    tail that may begin a stop string is held back until it is decided) and whether a stop
+    string ended the generation (the text then ends just before it)."""
+
+    def __init__(self, tokenizer: TextTokenizer, stops: tuple[str, ...] = ()):
+        self.decoder, self.stops = IncrementalDecoder(tokenizer), StopStrings(stops)
+        self.text, self.sent = "", 0
+
+    def push(self, tokens: list[int], final: bool) -> tuple[str, bool]:
+        """-> (text to send now, whether a stop string was hit). `final`: the last step."""
+        new = self.decoder.push(tokens, final=final)
+        self.text += new
+        hit = self.stops.feed(new)
+        if hit is not None:
+            out, self.sent = self.text[self.sent:hit], hit
+            return out, True
+        safe = len(self.text) if final else len(self.text) - self.stops.held
+        out, self.sent = self.text[self.sent:safe], max(self.sent, safe)
+        return out, False
 
 
 def _failure(s: str) -> list[int]:

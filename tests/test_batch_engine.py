@@ -189,7 +189,7 @@ def test_generate_batch_equals_generate_one_at_a_time(method, policy):
     if policy == "cost":  # a curve under which drafting pays, whatever this machine measures
         from forerun.profile import ForwardCurve
 
-        engine._batch_curve = lambda runtime: ForwardCurve(  # a verify pass; a draft round
+        engine.batch_curve = lambda runtime: ForwardCurve(  # a verify pass; a draft round
             (1, 1000), (0.1, 0.1) if runtime.single is engine.target else (0.001, 0.001))
     budgets = [30, 12, 25, 40]
     got = engine.generate_batch(PROMPTS[:4], max_tokens=budgets, max_batch=3)

@@ -20,7 +20,7 @@ import torch
 from conftest import random_heads, tiny_model
 from test_batch_engine import PROMPTS, _batch_runtime, _member, _solo, _tokens
 
-import forerun.batch_engine as batch_engine
+import forerun.batch_session as batch_session
 from forerun.batch_engine import Sequence, run_to_completion
 from forerun.engine import speculative_decode
 from forerun.policy import POLICIES
@@ -117,15 +117,15 @@ def test_generate_batch_with_heads_equals_generate(kind, tree):
 def _per_step(rows: list[int], monkeypatch) -> list[tuple[list[int], list]]:
     """Each batch step's (the `rows` appended during it, its members' Steps), filled as
     `generate_batch` runs."""
-    calls, inner = [], batch_engine.step
+    calls, inner = [], batch_session.step
 
     def step(*args, **kwargs):
         before = len(rows)
         results = inner(*args, **kwargs)
-        calls.append((rows[before:], results))
+        calls.append((rows[before:], [r for r in results if r is not None]))
         return results
 
-    monkeypatch.setattr(batch_engine, "step", step)
+    monkeypatch.setattr(batch_session, "step", step)  # the step generate_batch's session runs
     return calls
 
 

@@ -1,0 +1,196 @@
+"""A running batch that sequences join and leave between passes: continuous batching.
+
+Owns: `BatchSession`, the scheduler over `forerun.batch_engine`: building a batch member from a
+request (its drafter, length policy and cache slack, `sequence`), the FIFO of members waiting
+for KV memory, admission (in arrival order, while the pool has room and `max_batch` allows),
+one pass over the live members (`step`), and leaving: finished members are retired after
+their pass, `drop` retires a member now (a client gone: its cache is free before the next
+pass). A member that fails (its drafter raised) leaves alone; the others go on.
+
+Speculation follows the load through `joint`: the batch's cost policy
+(`forerun.batch_policy`) chooses every member's draft length together from the measured cost
+of a pass of that many rows, each member's own k as its cap, so drafting shrinks as the batch
+fills and comes back as it empties. Without `joint` each member drafts by its own policy.
+
+`Engine.generate_batch` and the server's worker both drive one. Knows nothing of text or HTTP.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from forerun.batch_engine import PREFILL_SHARE, Sequence, admit, retire, step
+from forerun.batch_policy import BatchCost, BatchCostPolicy
+from forerun.heads import KINDS
+from forerun.metrics import Step
+from forerun.models.catalog import ModelError
+from forerun.policy import POLICIES, FixedK
+from forerun.propose import AUTO_TREE, AUTO_TREE_MAX, PROPOSERS, ProposerContext, SpecConfig
+from forerun.propose.draft_batch import SharedDraftModel
+from forerun.runtime.batch import PoolFull
+from forerun.sampling import SamplingConfig, make_generator
+
+if TYPE_CHECKING:
+    from forerun.api import Engine
+
+MAX_BATCH_K = 16  # the adaptive policy's longest draft (AdaptiveK.k_max): its cache slack
+
+
+@dataclass
+class BatchSession:
+    """Members of one batch over `engine`'s batched views, their KV memory `kv_budget_bytes`
+    per model; at most `max_batch` live (None: as many as fit), each pass at most
+    `max_batch_tokens` rows (None: whole prompts), prompts taking at least `prefill_share`."""
+
+    engine: Engine
+    kv_budget_bytes: int
+    joint: bool = False
+    max_batch: int | None = None
+    max_batch_tokens: int | None = None
+    prefill_share: float = PREFILL_SHARE
+    waiting: deque[Sequence] = field(default_factory=deque)
+    live: list[Sequence] = field(default_factory=list)
+    _group: dict[str, Any] = field(default_factory=dict)  # shared head state (Medusa's, EAGLE's)
+    _draft: SharedDraftModel | None = None
+    _lengths: BatchCostPolicy | None = None
+
+    def __post_init__(self):
+        self.target = self.engine.batch_view("target", self.kv_budget_bytes)
+
+    # --- members -----------------------------------------------------------------------------
+
+    def sequence(self, ids: list[int], sampling: SamplingConfig, max_tokens: int,
+                 spec: SpecConfig | None = None) -> Sequence:
+        """A member for prompt `ids` (not yet added): its drafter for `spec` (the engine's by
+        default; method none = plain decoding), its generator, policy and cache slack. Raises
+        ValueError / ModelError for a spec this engine cannot draft with."""
+        spec, engine = spec or self.engine.spec, self.engine
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        seq = Sequence(ids, sampling, max_tokens, make_generator(sampling.seed),
+                       engine.tokenizer.stop_ids)
+        if spec.method == "none":
+            return seq
+        seq.max_k = max_nodes(spec)
+        if spec.method == "draft":
+            seq.proposer = self._shared_draft().proposer(seq.slots())
+        else:
+            if spec.method in KINDS and engine.heads is not None and not (
+                    self.target.capabilities.exposes(engine.heads.cfg.layers)):
+                raise ModelError(f"{spec.method} heads draft from the target's features, which "
+                                 "this runtime's batched passes do not return; use --runtime "
+                                 "torch, or decode one prompt at a time (generate)")
+            # each member its own drafter state (and stores: an EAGLE head's cache)
+            seq.proposer = PROPOSERS[spec.method](spec, ProposerContext(
+                engine.target, None, engine.heads, engine.tokenizer, capacity=seq.slots(),
+                batch=self._group))
+        # under `joint` the batch's cost policy chooses k (capped by max_k, the request's k)
+        seq.policy = (FixedK(spec.k) if self.joint else
+                      POLICIES[spec.policy](spec, engine.target, seq.proposer.runtime))
+        return seq
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a member; it joins the batch at a pass where its KV memory is free."""
+        self.waiting.append(seq)
+
+    def drop(self, seq: Sequence) -> None:
+        """Take a member out now, waiting or live: its cache regions are free at once."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.live:
+            self._leave(seq)
+
+    def drop_all(self) -> list[Sequence]:
+        """Retire every live member (after a failed pass) -> them; the waiting stay."""
+        left = list(self.live)
+        for seq in left:
+            self._leave(seq)
+        return left
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.live)
+
+    # --- the pass ----------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[Sequence, Step | None]]:
+        """Admit what fits, run one pass over the live members, retire the finished -> every
+        member that emitted or ended (Step None: it failed, `seq.error` says why)."""
+        ended = self._admit()
+        if not self.live:
+            return ended
+        results = step(self.target, self.live, self._policy(), self.max_batch_tokens,
+                       self.prefill_share)
+        out = ended + [(s, r) for s, r in zip(self.live, results, strict=True)
+                       if r is not None or s.error is not None]
+        for s in [s for s in self.live if s.finish]:
+            self._leave(s)
+        return out
+
+    def _admit(self) -> list[tuple[Sequence, Step | None]]:
+        """Waiting members into the batch in arrival order while memory and max_batch allow;
+        -> those that can never run (a prompt over the context, a pool too small), failed."""
+        failed = []
+        while self.waiting and (self.max_batch is None or len(self.live) < self.max_batch):
+            seq = self.waiting[0]
+            try:
+                admit(self.target, seq)
+            except PoolFull as e:
+                if self.live:  # memory frees as members finish: wait
+                    break
+                seq.fail(PoolFull(f"the KV cache budget cannot hold this request ({e}); "
+                                  "raise the budget or lower max_tokens"))
+            except (ValueError, ModelError) as e:
+                seq.fail(e)
+            self.waiting.popleft()
+            if seq.error is None:
+                self.live.append(seq)
+            else:
+                failed.append((seq, None))
+        return failed
+
+    def _leave(self, seq: Sequence) -> None:
+        retire(self.target, seq)
+        self.live.remove(seq)
+        if self._lengths is not None:
+            self._lengths.forget(id(seq))
+
+    def _policy(self) -> BatchCostPolicy | None:
+        """The joint cost policy over the target's (and the shared draft's) measured pass costs;
+        rebuilt, keeping its estimates, when a draft model joins."""
+        if not self.joint:
+            return None
+        wants_draft = self._draft is not None and self._lengths is not None and \
+            self._lengths.cost.draft_round is None
+        if self._lengths is None or wants_draft:
+            cost = BatchCost(self.engine.batch_curve(self.target), None if self._draft is None
+                             else self.engine.batch_curve(self._draft.runtime))
+            self._lengths = BatchCostPolicy(cost, {} if self._lengths is None
+                                            else self._lengths.estimates)
+        return self._lengths
+
+    def calibrate(self) -> None:
+        """Measure now the pass costs the joint policy reads (else its first pass does)."""
+        if self.joint and self.engine.draft is not None:
+            self._shared_draft()
+        self._policy()
+
+    def _shared_draft(self) -> SharedDraftModel:
+        if self.engine.draft is None:
+            raise ValueError("method 'draft' needs a draft model (--draft)")
+        if self._draft is None:
+            self._draft = SharedDraftModel(self.engine.batch_view("draft", self.kv_budget_bytes),
+                                           self.engine.target.config.vocab_size)
+        return self._draft
+
+
+def max_nodes(spec: SpecConfig) -> int:
+    """The most draft nodes one verify pass of a batch member may hold (its cache slack): a
+    chain's k (the adaptive policy's longest), a head tree's node budget (an automatic one's
+    most, and a lookup branch's chain beside it)."""
+    k = MAX_BATCH_K if spec.policy == "adaptive" else spec.k
+    if spec.method not in KINDS or spec.tree == 0:
+        return k + (k if spec.lookup else 0)
+    return (AUTO_TREE_MAX if spec.tree == AUTO_TREE else spec.tree) + (k if spec.lookup else 0)
