@@ -302,7 +302,7 @@ class Engine:
                    else self.encode(prompt, raw))
             seq = session.sequence(ids, s, budget, spec)
             seqs.append(seq)
-            texts[id(seq)] = ([], TextOut(self.tokenizer, stop))
+            texts[id(seq)] = TextOut(self.tokenizer, stop)
         start = time.perf_counter()
         for seq in seqs:
             session.add(seq)
@@ -311,14 +311,13 @@ class Engine:
                 if seq.error is not None:
                     session.drop_all()
                     raise seq.error
-                parts, out = texts[id(seq)]
-                text, hit = out.push(result.tokens, final=result.finish_reason is not None)
-                parts.append(text)
+                _, hit = texts[id(seq)].push(result.tokens,
+                                             final=result.finish_reason is not None)
                 if hit:
                     seq.finish = "stop"
                     session.drop(seq)
         k = spec.k if spec.method != "none" else 0
-        return [Completion("".join(texts[id(q)][0]), [t for st in q.steps for t in st.tokens],
+        return [Completion(texts[id(q)].sent_text, [t for st in q.steps for t in st.tokens],
                            q.finish or "length",
                            GenerationStats.from_steps(spec.method, k, start, q.steps),
                            prompt_tokens=len(q.prompt)) for q in seqs]

@@ -134,8 +134,8 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
             s.fed += rows.stop - rows.start
             if verdict is None:
                 continue
-            needs = None if s.proposer is None else s.proposer.needs
-            if needs is not None and needs.hidden_layers and needs.prompt_features:
+            if _reads_prompt(s):
+                needs = s.proposer.needs
                 skip = rows.start + needs.hidden_from(len(s.prompt))  # the rows its head reads
                 s.proposer.feed({i: output.hidden[i][skip:rows.stop] for i in needs.hidden_layers})
             out[b] = _emit(runtime, s, verdict.tokens, 0, 0, now, prefill=True)
@@ -160,6 +160,12 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
     return out
 
 
+def _reads_prompt(s: Sequence) -> bool:
+    """Its head drafts from the features of its prompt's rows (fed after the prefill)."""
+    return s.proposer is not None and s.proposer.needs.prompt_features and bool(
+        s.proposer.needs.hidden_layers)
+
+
 def _chunks(live: list[Sequence], drafts: list[Draft | None], max_tokens: int | None,
             share: float) -> list[int]:
     """Prompt tokens each prefilling member feeds this pass (0 for the decoding ones, and for
@@ -175,9 +181,7 @@ def _chunks(live: list[Sequence], drafts: list[Draft | None], max_tokens: int | 
     chunks = [0] * len(live)
     for b, n in enumerate(left):
         if n and budget > 0:
-            needs = live[b].proposer.needs if live[b].proposer is not None else None
-            whole = needs is not None and needs.prompt_features and bool(needs.hidden_layers)
-            chunks[b] = n if whole else min(n, budget)
+            chunks[b] = n if _reads_prompt(live[b]) else min(n, budget)
             budget -= chunks[b]
     return chunks
 

@@ -106,6 +106,11 @@ class TextOut:
         out, self.sent = self.text[self.sent:safe], max(self.sent, safe)
         return out, False
 
+    @property
+    def sent_text(self) -> str:
+        """All the text sent so far: the whole output once the last step is pushed."""
+        return self.text[:self.sent]
+
 
 def _failure(s: str) -> list[int]:
     """KMP failure function: fail[i] = length of the longest proper prefix of s[:i+1] that is
