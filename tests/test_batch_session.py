@@ -1,0 +1,132 @@
+"""Continuous batching (`forerun.batch_session`) and the batch step's scheduling seams.
+
+Properties (tiny float64 models, greedy): prompts fed in chunks under a pass token budget give
+every member exactly its solo tokens, with no pass over the budget's rows beyond a whole-prompt
+exception; a member whose drafter raises fails alone while the others finish with their solo
+tokens; a dropped member's cache is free at once; a runtime with no pooled view batches through
+forks (`ForkedBatch`) with the same outputs; only members that run the draft model pay its
+rounds in the joint cost choice.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_model
+from test_batch_engine import BUDGET, MIX, PROMPTS, _batch_runtime, _engine, _member, _solo, _tokens
+from test_batch_policy import FLAT
+
+from forerun.api import DEFAULT_KV_BUDGET_BYTES
+from forerun.batch_engine import run_to_completion
+from forerun.batch_policy import BatchCost
+from forerun.batch_session import BatchSession
+from forerun.propose import SpecConfig
+from forerun.runtime.forked import ForkedBatch
+from forerun.runtime.torch_model import TorchRuntime
+from forerun.sampling import SamplingConfig
+
+LONG = [(i * 7) % 50 + 1 for i in range(40)]  # a prompt several chunks long
+
+
+@pytest.mark.parametrize("method", ["none", "draft", "ngram"])
+def test_chunked_prefill_keeps_every_output_and_the_pass_budget(method):
+    engine = _engine(method, k=3)
+    target = engine.batch_view("target", BUDGET)
+    rows, forward = [], target.forward
+
+    def counted(batch, *args, **kw):
+        rows.append(len(batch.tokens))
+        return forward(batch, *args, **kw)
+
+    target.forward = counted
+    prompts = [LONG, *PROMPTS[:3]]
+    budgets = [20, 15, 25, 10]
+    got = engine.generate_batch(prompts, max_tokens=budgets, kv_budget_bytes=BUDGET,
+                                max_batch_tokens=8)
+    for prompt, budget, out in zip(prompts, budgets, got, strict=True):
+        assert out.token_ids == _solo(prompt, budget)
+    # decode rows (at most 4 members x (k + 1)) plus a prompt share of 2, never a whole prompt
+    assert max(rows) <= 4 * 4 + 2 and len(LONG) not in rows
+
+
+class Broken:
+    """A proposer that drafts like its inner one, then raises on its third draft."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, *args):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("drafter broke")
+        return self.inner.propose(*args)
+
+
+def test_a_failing_drafter_fails_its_member_alone():
+    seqs = [_member(m, k, PROMPTS[p], n) for m, k, p, n in MIX]
+    seqs[1].proposer = Broken(seqs[1].proposer)  # an n-gram member
+    with pytest.raises(RuntimeError, match="drafter broke"):
+        run_to_completion(_batch_runtime(), seqs)
+    assert seqs[1].finish == "error" and str(seqs[1].error) == "drafter broke"
+    for s, (_, _, p, n) in zip(seqs, MIX, strict=True):
+        if s is not seqs[1]:
+            assert s.error is None and _tokens(s) == _solo(PROMPTS[p], n)
+
+
+def test_a_dropped_member_frees_its_cache_at_once():
+    engine = _engine("draft", k=3)
+    session = BatchSession(engine, BUDGET)
+    pool = session.target.pool
+    idle = pool.free_slots
+    seqs = [session.sequence(p, SamplingConfig(), 30, engine.spec) for p in PROMPTS[:3]]
+    for s in seqs:
+        session.add(s)
+    session.step()
+    session.step()
+    assert len(session.live) == 3 and pool.free_slots < idle
+    session.drop(seqs[0])
+    assert seqs[0].handle == -1 and pool.free_slots == idle - sum(s.slots() for s in seqs[1:])
+    while not session.idle:
+        session.step()
+    assert pool.free_slots == idle
+    for s, p in zip(seqs[1:], PROMPTS[1:3], strict=True):
+        assert _tokens(s) == _solo(p, 30)
+
+
+class Wrapped:
+    """A one-sequence runtime that is not a TorchRuntime: it has no pooled batched view."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def fork(self):
+        return Wrapped(self.inner.fork())
+
+
+def test_a_runtime_without_a_pooled_view_batches_through_forks():
+    from test_engine import word_tokenizer
+
+    from forerun import Engine
+
+    engine = Engine.from_runtimes(Wrapped(TorchRuntime(tiny_model(0), capacity=256)),
+                                  word_tokenizer(), None, SpecConfig("ngram", 3))
+    budgets = [30, 12, 25, 20]
+    got = engine.generate_batch(PROMPTS[:4], max_tokens=budgets, max_batch=3,
+                                max_batch_tokens=6)
+    assert isinstance(engine.batch_view("target", DEFAULT_KV_BUDGET_BYTES), ForkedBatch)
+    for prompt, budget, out in zip(PROMPTS[:4], budgets, got, strict=True):
+        assert out.token_ids == _solo(prompt, budget)
+
+
+def test_only_members_running_the_draft_model_pay_its_rounds():
+    cost = BatchCost(FLAT, draft_round=lambda m: 0.05)
+    paying = cost.choose([0.8, 0.8], [6, 6])
+    mixed = cost.choose([0.8, 0.8], [6, 6], paid=[True, False])
+    assert mixed[1] == 6 and mixed[1] > paying[1]  # the free drafter drafts all it may
+    assert cost.choose([0.8, 0.8], [6, 6], paid=[False, False]) == BatchCost(FLAT).choose(
+        [0.8, 0.8], [6, 6])
