@@ -50,7 +50,7 @@ from forerun.verify_batch import batch_rejection_sample
 PREFILL_SHARE = 0.25
 
 
-@dataclass
+@dataclass(eq=False)  # members are told apart by identity (two may hold the same prompt)
 class Sequence:
     """Everything one sequence of a batch owns. `proposer` None = plain decoding."""
 

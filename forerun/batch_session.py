@@ -55,6 +55,7 @@ class BatchSession:
     _group: dict[str, Any] = field(default_factory=dict)  # shared head state (Medusa's, EAGLE's)
     _draft: SharedDraftModel | None = None
     _lengths: BatchCostPolicy | None = None
+    pass_size: int = 0  # members in the last pass
 
     def __post_init__(self):
         self.target = self.engine.batch_view("target", self.kv_budget_bytes)
@@ -119,6 +120,7 @@ class BatchSession:
         """Admit what fits, run one pass over the live members, retire the finished -> every
         member that emitted or ended (Step None: it failed, `seq.error` says why)."""
         ended = self._admit()
+        self.pass_size = len(self.live)
         if not self.live:
             return ended
         results = step(self.target, self.live, self._policy(), self.max_batch_tokens,
@@ -160,8 +162,8 @@ class BatchSession:
     def _policy(self) -> BatchCostPolicy | None:
         """The joint cost policy over the target's (and the shared draft's) measured pass costs;
         rebuilt, keeping its estimates, when a draft model joins."""
-        if not self.joint:
-            return None
+        if not self.joint or all(s.proposer is None for s in self.live):
+            return None  # nobody drafts: nothing to choose (and no pass costs to measure)
         wants_draft = self._draft is not None and self._lengths is not None and \
             self._lengths.cost.draft_round is None
         if self._lengths is None or wants_draft:

@@ -6,7 +6,9 @@ speculation, is checked against plain `Engine.generate` on the same prompt ("sol
 
 Two servers:
 - `server`: the real CLI, `python -m forerun.cli serve`, in a subprocess: draft-model speculation
-  (k = 3) with a draft that is the target plus noise over a reduced vocabulary, an API key read
+  (k = 3, --spec-policy always: tiny models make drafting cost as much as the target, so the
+  adaptive policy would rightly draft nothing) with a draft that is the target plus noise over
+  a reduced vocabulary, an API key read
   from a file and required on /metrics too, one extra allowed Host, 8 slots, a 32-request queue;
 - `slow_server`: the same app in an in-process uvicorn thread over a runtime whose every forward
   pass sleeps, so that requests last long enough to fill the queue, be shed or be abandoned.
@@ -125,7 +127,7 @@ def server(model_dirs, tmp_path_factory):
         proc = subprocess.Popen(
             [sys.executable, "-m", "forerun.cli", "serve", "--target", str(model_dirs[0]),
              "--draft", str(model_dirs[1]), "--method", "draft", "-k", "3",
-             "--draft-vocab", str(DRAFT_VOCAB),
+             "--draft-vocab", str(DRAFT_VOCAB), "--spec-policy", "always",
              "--dtype", "float64", "--draft-dtype", "float64", "--port", str(port),
              "--api-key-file", str(key_file), "--metrics-auth", "--allowed-host", PROXY_HOST,
              "--served-model-name", NAME, "--max-concurrent", "8",

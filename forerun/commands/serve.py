@@ -16,16 +16,19 @@ from pathlib import Path
 
 from rich.console import Console
 
-from forerun.api import DEFAULT_MAX_TOKENS
+from forerun.api import DEFAULT_KV_BUDGET_BYTES, DEFAULT_MAX_TOKENS
 from forerun.commands.options import add_model_args, add_spec_args, load_engine
 from forerun.serve.limits import (
+    DEFAULT_BATCH_TOKENS,
     DEFAULT_HOST,
+    DEFAULT_KV_FRACTION,
     DEFAULT_PORT,
     DEFAULT_QUEUE,
     DEFAULT_SLOTS,
     MAX_BODY_BYTES,
     MAX_RESTARTS,
     MAX_TOKENS_LIMIT,
+    SPEC_POLICIES,
 )
 
 API_KEY_ENV = "FORERUN_API_KEY"
@@ -64,9 +67,19 @@ def add_parser(sub) -> None:
                    help="the model id clients send; unset = the --target name")
     g = s.add_argument_group("limits")
     g.add_argument("--max-concurrent", type=int, default=DEFAULT_SLOTS,
-                   help="requests decoded at once, in turn, one KV cache each")
+                   help="requests decoded at once: the most members of one batch")
     g.add_argument("--max-queue", type=int, default=DEFAULT_QUEUE,
-                   help="requests waiting for a slot; beyond that the answer is 429")
+                   help="requests waiting to join the batch; beyond that the answer is 429")
+    g.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
+                   help="KV cache memory per model (target, draft); a request reserves its "
+                        "prompt + max_tokens and waits while it does not fit. Unset = "
+                        f"{DEFAULT_KV_BUDGET_BYTES / 2**30:g} GB, or "
+                        f"{DEFAULT_KV_FRACTION * 100:.0f}%% of the memory available at start-up if "
+                        "that is less")
+    g.add_argument("--max-batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
+                   help="rows of one target pass: decodes first, prompts in chunks with what "
+                        "is left (at least a quarter of it), so a long prompt never stalls the "
+                        "decodes around it")
     g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="new tokens for a request that gives no max_tokens")
     g.add_argument("--max-tokens-limit", type=int, default=MAX_TOKENS_LIMIT,
@@ -74,6 +87,11 @@ def add_parser(sub) -> None:
     g.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help="largest request body; larger ones get 413")
     g = s.add_argument_group("speculation under load")
+    g.add_argument("--spec-policy", choices=SPEC_POLICIES, default="adaptive",
+                   help="adaptive: at every pass the batch's cost policy chooses each request's "
+                        "draft length from the measured cost of a pass of that many rows (its k "
+                        "as the cap), so drafting shrinks as the batch fills; always: each "
+                        "request drafts by its own --policy; off: plain decoding")
     g.add_argument("--spec-reduce-above", type=int, default=None, metavar="N",
                    help="with more than N requests in flight (running + queued), draft at most "
                         "half of k; unset = never")
@@ -98,15 +116,22 @@ def run(args) -> int:
                                ("--max-tokens", args.max_tokens, 1),
                                ("--max-tokens-limit", args.max_tokens_limit, 1),
                                ("--max-body-bytes", args.max_body_bytes, 1),
+                               ("--max-batch-tokens", args.max_batch_tokens, 1),
                                ("--spec-reduce-above", args.spec_reduce_above, 0),
                                ("--spec-off-above", args.spec_off_above, 0)):
         if value is not None and value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
+        raise ValueError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     err = Console(stderr=True)
     api_key = read_api_key(args)
+    kv_bytes = (int(args.kv_cache_gb * 2**30) if args.kv_cache_gb is not None
+                else default_kv_bytes())
     engine = load_engine(args, err)
     with err.status("starting the worker"):
         worker = Worker(engine, slots=args.max_concurrent, max_queue=args.max_queue,
+                        kv_cache_bytes=kv_bytes, max_batch_tokens=args.max_batch_tokens,
+                        spec_policy=args.spec_policy,
                         shedding=LoadShedding(args.spec_reduce_above, args.spec_off_above),
                         on_fatal=lambda: setattr(server, "should_exit", True))
     with err.status("recording the decode passes (CUDA graphs)"):
@@ -129,8 +154,9 @@ def run(args) -> int:
     if args.host not in LOOPBACK and not api_key:
         err.print(f"[yellow]warning:[/] serving on {args.host} without --api-key: anyone who "
                   "can reach this port can use the model")
-    err.print(f"serving {name!r} ({args.method}, k={args.k}, {args.max_concurrent} slots) on "
-              f"http://{args.host}:{args.port}/v1", highlight=False)
+    err.print(f"serving {name!r} ({args.method}, k={args.k}, spec policy {args.spec_policy}; "
+              f"batch of up to {args.max_concurrent}, {kv_bytes / 2**30:.1f} GB of KV cache per "
+              f"model) on http://{args.host}:{args.port}/v1", highlight=False)
     server = uvicorn.Server(uvicorn.Config(
         create_app(worker, config), host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
@@ -139,6 +165,15 @@ def run(args) -> int:
         err.print(f"[red]the worker crashed {worker.restarts} times; exiting[/]")
         return 1
     return 0
+
+
+def default_kv_bytes() -> int:
+    """DEFAULT_KV_BUDGET_BYTES, or DEFAULT_KV_FRACTION of the memory available now if less."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux: no figure to go by
+        return DEFAULT_KV_BUDGET_BYTES
+    return max(min(DEFAULT_KV_BUDGET_BYTES, int(available * DEFAULT_KV_FRACTION)), 64 << 20)
 
 
 def read_api_key(args) -> str | None:

@@ -3,8 +3,11 @@ protocol enforce them. Each has a `forerun serve` option where it is a deploymen
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: other machines cannot reach the server unless asked
 DEFAULT_PORT = 8000
-DEFAULT_SLOTS = 4  # --max-concurrent: requests decoded at once, in turn, one KV cache each
-DEFAULT_QUEUE = 64  # --max-queue: requests waiting for a slot; beyond this, 429
+DEFAULT_SLOTS = 16  # --max-concurrent: requests decoded at once (members of one batch)
+DEFAULT_QUEUE = 64  # --max-queue: requests waiting to join the batch; beyond this, 429
+DEFAULT_KV_FRACTION = 0.25  # --kv-cache-gb unset: this share of the memory available at start
+DEFAULT_BATCH_TOKENS = 512  # --max-batch-tokens: rows of one target pass
+SPEC_POLICIES = ("adaptive", "always", "off")  # --spec-policy
 MAX_BODY_BYTES = 1 << 20  # --max-body-bytes: a larger request body is refused with 413
 MAX_TOKENS_LIMIT = 4096  # --max-tokens-limit: the largest max_tokens a request may ask for
 MAX_K = 16  # the longest draft a request may ask for

@@ -20,9 +20,13 @@ from prometheus_client import (
     generate_latest,
 )
 
+from forerun.serve.limits import SPEC_POLICIES
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 SPEC_MODES = ("full", "reduced", "off")
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+DRAFT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 disable_created_metrics()  # no `*_created` timestamp series beside every counter
 
@@ -67,6 +71,23 @@ class ServerMetrics:
         self.slots = Gauge("forerun_slots", "decode slots (max concurrent requests)", registry=r)
         self.mode = Enum("forerun_speculation_mode", "speculation under the current load: full, "
                          "reduced (k halved) or off", states=list(SPEC_MODES), registry=r)
+        self.spec_policy = Enum("forerun_spec_policy", "--spec-policy: adaptive (the batch cost "
+                                "policy chooses every k), always (each request's own) or off",
+                                states=list(SPEC_POLICIES), registry=r)
+        self.kv_budget = Gauge("forerun_kv_cache_budget_bytes", "KV cache memory of the batch "
+                               "(per model)", registry=r)
+        self.batch_size = Gauge("forerun_batch_size", "requests in the last target pass",
+                                registry=r)
+        self.batch_sizes = Histogram("forerun_batch_size_per_pass", "requests in each target "
+                                     "pass", buckets=BATCH_BUCKETS, registry=r)
+        self.pass_drafts = Gauge("forerun_draft_tokens_last_pass", "draft tokens verified in "
+                                 "the last target pass (all its requests)", registry=r)
+        self.drafts_per_pass = Histogram("forerun_draft_tokens_per_pass", "draft tokens "
+                                         "verified in each target pass (all its requests)",
+                                         buckets=DRAFT_BUCKETS, registry=r)
+        self.passes = Counter("forerun_batch_passes", "target passes with decoding requests "
+                              "that could draft, by what speculation did: full (each its k), "
+                              "reduced (fewer) or off (none)", ["speculation"], registry=r)
         self._lock = threading.Lock()
         self._totals = [0, 0, 0]  # drafted, accepted, verify steps
         self._at: dict[int, list[int]] = {}  # position -> [drafted, accepted]
@@ -91,6 +112,17 @@ class ServerMetrics:
                 self.drafted_at.labels(str(i)).inc()
                 self.accepted_at.labels(str(i)).inc(i < accepted)
                 self.acceptance_at.labels(str(i)).set(at[1] / at[0])
+
+    def observe_pass(self, size: int, drafted: int, wanted: int) -> None:
+        """A pass of `size` requests verified `drafted` draft tokens where its drafting
+        requests asked for up to `wanted` (their k, capped by load shedding)."""
+        self.batch_size.set(size)
+        self.batch_sizes.observe(size)
+        self.pass_drafts.set(drafted)
+        self.drafts_per_pass.observe(drafted)
+        if wanted:
+            self.passes.labels("off" if not drafted else "reduced" if drafted < wanted
+                               else "full").inc()
 
     def set_mode(self, mode: str) -> None:
         self.mode.state(mode)

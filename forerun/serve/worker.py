@@ -1,31 +1,40 @@
-"""The model-owning worker: one thread, a FIFO of jobs, and a step-level round robin over slots.
+"""The model-owning worker: one thread, a FIFO of jobs, and one continuous batch over them.
 
-Owns: the only code that touches the models, the queue of waiting jobs, and the choice of how
-much to speculate under load. HTTP handlers call `submit` and `cancel` from the event loop;
-everything else runs on the worker thread. A job's results go back through its `emit` callback
-(which must be thread-safe) as `Delta` events, then one `Done` or `Failed`.
+Owns: the only code that touches the models, the queue of waiting jobs, and how much to
+speculate under load. HTTP handlers call `submit` and `cancel` from the event loop; everything
+else runs on the worker thread. A job's results go back through its `emit` callback (which must
+be thread-safe) as `Delta` events, then one `Done` or `Failed`.
 
-Scheduling. The worker holds `slots` engines: forks of one engine, sharing the weights, each with
-KV caches of its own. A job waits in the FIFO until a slot is free; then, round after round,
-every running job advances by one step (one target forward pass: the prefill, or a draft +
-verify step), in admission order. This is fair interleaving, not batching: a round costs the sum
-of its jobs' steps, and each job's tokens are exactly those it would get alone.
+Scheduling. The worker drives one `BatchSession` (`forerun.batch_session`). Every loop, the
+jobs submitted since the last one join the session's FIFO; the session admits them in arrival
+order while its KV memory (`kv_cache_bytes`, reserved per request for its prompt + max_tokens)
+and `slots` (the most requests decoded at once) allow, runs one target pass over every live
+request, prompts chunked under `max_batch_tokens` so that a long one never stalls the decodes
+around it, and retires the finished. A request that does not fit waits; beyond `slots +
+max_queue` requests in flight, `submit` refuses (429). Each request's tokens are exactly the
+ones it would get alone (batch invariance: tests/test_batch_*.py).
 
-Speculation under load. `LoadShedding` maps the number of jobs in flight (running + waiting) to a
-mode: full (each job's own k), reduced (at most half of it) or off (plain steps), read before
-every step, so a long generation follows the load as it changes.
+Speculation under load, `spec_policy`:
+- adaptive (default): the batch cost policy chooses every request's draft length together at
+  every pass, from the measured cost of a pass as a function of its rows (the request's k is
+  its cap), so drafting shrinks as the batch fills and comes back as it empties;
+- always: each request drafts by its own length policy, whatever the load;
+- off: plain decoding for every request.
+`LoadShedding` caps k further by the number of requests in flight (full, reduced: half of k,
+off), read before every pass.
 
-Cancellation. `cancel` drops a waiting job at once; a running job is dropped before its next
-step, which frees its slot for the next waiting job.
+Cancellation. `cancel` drops a waiting job at once; a running one leaves the batch before the
+next pass, its cache free at once (`BatchSession.drop`).
 
-Failures. A job whose generation raises fails alone (`Failed`, a short message; the traceback
-goes to the log). A crash of the scheduling itself (a bug) fails the jobs running at that
-moment, frees their slots and restarts the loop; after MAX_RESTARTS such crashes the worker
-stops for good and calls `on_fatal` (the serve command then exits non-zero, for a supervisor).
+Failures. A request whose drafter raises fails alone (`Failed`, a short message; the traceback
+goes to the log) and the batch goes on. A target pass that raises fails the requests it held
+(they shared it); waiting requests go on. A crash of the bookkeeping (a bug) fails the running
+jobs and restarts the loop; after MAX_RESTARTS such crashes the worker stops for good and
+calls `on_fatal` (the serve command then exits non-zero, for a supervisor).
 
-Calibration. The cost policy and an automatic tree budget price drafts with forward-time curves
-measured at a runtime's first use (`forerun.profile`); `calibrate` measures them before serving,
-so that no request's first step stalls every slot while one runtime is timed.
+Calibration. The batch cost policy prices a pass from a curve of pass times measured at first
+use, and a request's own cost policy or an automatic tree from the one-sequence curve;
+`calibrate` measures them before serving, so that no pass stalls every request to time them.
 """
 
 from __future__ import annotations
@@ -35,17 +44,21 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
-from forerun.api import Chunk, Engine
+from forerun.api import DEFAULT_KV_BUDGET_BYTES, Engine
+from forerun.batch_engine import Sequence
+from forerun.batch_session import BatchSession
 from forerun.metrics import GenerationStats, Step
-from forerun.profile import calibrated_curve, share_curve
+from forerun.models.catalog import ModelError
+from forerun.profile import calibrated_curve
 from forerun.propose import SpecConfig
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX
 from forerun.sampling import SamplingConfig
-from forerun.serve.limits import MAX_ERROR_CHARS, MAX_K, MAX_RESTARTS
+from forerun.serve.limits import MAX_ERROR_CHARS, MAX_K, MAX_RESTARTS, SPEC_POLICIES
 from forerun.serve.metrics import ServerMetrics
+from forerun.stopping import TextOut
 
 log = logging.getLogger("forerun.serve")
 CRASHED = "the server hit an internal error and dropped this request (see its log); retry"
@@ -150,16 +163,19 @@ class Tally:
 
 @dataclass(eq=False)
 class Running:
+    """A job in the batch session (waiting for memory or live): its member and its text."""
+
     job: Job
-    engine: Engine
-    chunks: Generator[Chunk, None, None]
+    seq: Sequence
+    text: TextOut
+    spec: SpecConfig  # what it decodes with (method none under --spec-policy off)
     steps: list[Step] = field(default_factory=list)
     tally: Tally = field(default_factory=Tally)
     last_token_time: float | None = None
 
 
 class Busy(Exception):
-    """Every slot is taken and the queue is full."""
+    """The batch is full and the queue is full."""
 
 
 class Stopped(Exception):
@@ -168,45 +184,56 @@ class Stopped(Exception):
 
 class Worker:
     def __init__(self, engine: Engine, *, slots: int, max_queue: int,
+                 kv_cache_bytes: int = DEFAULT_KV_BUDGET_BYTES,
+                 max_batch_tokens: int | None = None, spec_policy: str = "adaptive",
                  shedding: LoadShedding | None = None, metrics: ServerMetrics | None = None,
                  on_fatal: Callable[[], None] | None = None):
         if slots < 1 or max_queue < 0:
             raise ValueError(f"need slots >= 1 and max_queue >= 0, got {slots} and {max_queue}")
+        if spec_policy not in SPEC_POLICIES:
+            raise ValueError(f"spec_policy must be one of {', '.join(SPEC_POLICIES)}, "
+                             f"got {spec_policy!r}")
+        if kv_cache_bytes < 1 or (max_batch_tokens is not None and max_batch_tokens < 1):
+            raise ValueError("the KV cache budget and max_batch_tokens must be positive")
         self.engine, self.slots, self.max_queue = engine, slots, max_queue
+        self.spec_policy = spec_policy
         self.shedding = shedding or LoadShedding()
         self.metrics = metrics or ServerMetrics()
-        self._free = [engine] + [engine.fork() for _ in range(slots - 1)]
-        self._waiting: deque[Job] = deque()
-        self._running: list[Running] = []
+        self.session = BatchSession(engine, kv_cache_bytes, joint=spec_policy == "adaptive",
+                                    max_batch=slots, max_batch_tokens=max_batch_tokens)
+        self._waiting: deque[Job] = deque()  # submitted, not yet in the session
+        self._runs: dict[int, Running] = {}  # id(seq) -> the jobs in the session
+        self._counts = (0, 0)  # (live, waiting in the session), as of the last pass
         self._cond = threading.Condition()
         self._stopping = False
         self.restarts = 0  # crashes of the loop recovered from
         self.on_fatal = on_fatal  # called from the worker thread when it stops for good
         self.mode = "full"
         self.metrics.slots.set(slots)
+        self.metrics.kv_budget.set(kv_cache_bytes)
+        self.metrics.spec_policy.state(spec_policy)
         self.metrics.set_mode(self.mode)
         self._thread = threading.Thread(target=self._loop, name="forerun-worker", daemon=True)
 
     # --- called from other threads ---------------------------------------------------------------
 
     def warm_up(self) -> int:
-        """Every slot's engine records its static passes before the first request (on a GPU:
-        CUDA graphs, each slot its own); call before start(). -> sizes recorded."""
-        return sum(engine.warm_up() for engine in self._free)
+        """Record the engine's static passes before the first request (on a GPU: CUDA graphs);
+        call before start(). -> sizes recorded."""
+        return self.engine.warm_up()
 
     def calibrate(self) -> None:
-        """Measure (or read from the disk cache) the forward-time curves a cost policy or an
-        automatic tree reads, for one slot, up to the longest verify a request may ask for; the
-        other slots share them (same weights, same speed). Call before start()."""
-        first = self._free[0]
-        tree = AUTO_TREE_MAX if first.spec.tree == AUTO_TREE else 0
-        calibrated_curve(first.target, max(MAX_K, tree) + 1)
-        if first.draft is not None:
-            calibrated_curve(first.draft, 1)
-        for engine in self._free[1:]:
-            share_curve(engine.target, first.target)
-            if engine.draft is not None:
-                share_curve(engine.draft, first.draft)
+        """Measure (or read from the disk cache) the curves the speculation policies read: the
+        batch's pass costs (adaptive), the one-sequence forward times up to the longest verify a
+        request may ask for (a request's cost policy, an automatic tree). Call before start()."""
+        if self.spec_policy == "off":
+            return
+        engine = self.engine
+        tree = AUTO_TREE_MAX if engine.spec.tree == AUTO_TREE else 0
+        calibrated_curve(engine.target, max(MAX_K, tree) + 1)
+        if engine.draft is not None:
+            calibrated_curve(engine.draft, 1)
+        self.session.calibrate()
 
     def start(self) -> None:
         self._thread.start()
@@ -225,15 +252,15 @@ class Worker:
     def in_flight(self) -> tuple[int, int]:
         """(running, waiting)."""
         with self._cond:
-            return len(self._running), len(self._waiting)
+            live, queued = self._counts
+            return live, queued + len(self._waiting)
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue all of `jobs` (the n choices of one request) or none: Busy when they don't fit."""
         with self._cond:
             if self._stopping:
                 raise Stopped("the server is shutting down (or its worker failed)")
-            taken = len(self._running) + len(self._waiting)
-            if taken + len(jobs) > self.slots + self.max_queue:
+            if sum(self._counts) + len(self._waiting) + len(jobs) > self.slots + self.max_queue:
                 raise Busy(f"the server is at its limit ({self.slots} running + {self.max_queue} "
                            f"queued requests); retry later")
             self._waiting.extend(jobs)
@@ -241,7 +268,8 @@ class Worker:
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """The client went away: drop the job now if it waits, before its next step if it runs."""
+        """The client went away: drop the job now if it waits, before the next pass if it is in
+        the batch."""
         with self._cond:
             if job in self._waiting:
                 self._waiting.remove(job)
@@ -272,51 +300,98 @@ class Worker:
         finally:
             with self._cond:  # tell whoever still listens; refuse new jobs from now on
                 self._stopping = True
-                left = [run.job for run in self._running] + list(self._waiting)
+                left = [run.job for run in self._runs.values()] + list(self._waiting)
+                self._runs.clear()
+                self._waiting.clear()
             for job in left:
                 self._emit(job, Failed(job.index, "the server is shutting down"))
 
     def _serve(self) -> None:
-        """Admit and step jobs, round after round, until stopped."""
+        """Join new jobs, drop the cancelled, run a pass; until stopped."""
         while True:
             with self._cond:
-                while not (self._stopping or self._waiting or self._running):
+                while not (self._stopping or self._waiting or self._runs):
                     self._cond.wait()
                 if self._stopping:
                     return
-                self._admit()
-                round_ = list(self._running)
-            for run in round_:
-                self._step(run)
+                new = list(self._waiting)
+                self._waiting.clear()
+                live, queued = self._counts
+                self._counts = (live, queued + len(new))  # still in flight while they join
+            for job in new:
+                self._join(job)
+            for run in [r for r in self._runs.values() if r.job.cancelled.is_set()]:
+                self._finish(run, "cancelled")
+            if self._runs:
+                self._pass()
+            with self._cond:
+                self._publish_load()
+
+    def _join(self, job: Job) -> None:
+        spec = SpecConfig("none") if self.spec_policy == "off" else job.spec
+        try:
+            seq = self.session.sequence(job.ids, job.sampling, job.max_tokens, spec)
+        except (ValueError, ModelError) as e:
+            self.metrics.finished.labels("error").inc()
+            return self._emit(job, Failed(job.index, short_error(e)))
+        self.session.add(seq)
+        self._runs[id(seq)] = Running(job, seq, TextOut(self.engine.tokenizer, job.stop), spec)
+        self.metrics.prompt_tokens.inc(len(job.ids))
+
+    def _pass(self) -> None:
+        """One target pass over the batch; every request gets its new text."""
+        for run in self._runs.values():
+            run.seq.k_limit = k_cap(self.mode, run.spec.k)
+        try:
+            results = self.session.step()
+        except Exception as e:  # the pass itself (a runtime failure): fail the requests in it
+            log.exception("a batch pass failed")
+            message = f"generation failed ({short_error(e)})"
+            for run in [self._runs[id(seq)] for seq in self.session.drop_all()]:
+                self._finish(run, "error", Failed(run.job.index, message))
+            return
+        self._observe_pass(results)
+        for seq, step in results:
+            run = self._runs[id(seq)]
+            if step is None:
+                log.error("a request failed", exc_info=seq.error)
+                self._finish(run, "error", Failed(run.job.index,
+                                                  f"generation failed ({short_error(seq.error)})"))
+            else:
+                self._deliver(run, step)
+
+    def _deliver(self, run: Running, step: Step) -> None:
+        job = run.job
+        text, hit = run.text.push(step.tokens, final=step.finish_reason is not None)
+        if hit:  # a stop string: the request ends here, whatever its member would do next
+            step = replace(step, finish_reason="stop")
+        run.steps.append(step)
+        run.tally.add(step)
+        self._observe(run, step)
+        self._emit(job, Delta(job.index, text, step.tokens, step, run.tally.to_dict()))
+        if step.finish_reason is not None:
+            spec = run.spec
+            k = spec.k if spec.method != "none" else 0
+            stats = GenerationStats.from_steps(spec.method, k, job.arrival, run.steps)
+            self._finish(run, step.finish_reason,
+                         Done(job.index, step.finish_reason, stats, run.tally.new_tokens))
 
     def _drop_running(self) -> None:
-        """After a crash: fail every running job and take its slot back; waiting jobs stay."""
-        with self._cond:
-            runs, self._running = self._running, []
-            self._free.extend(run.engine for run in runs)
-            self._publish_load()
+        """After a crash: fail every job whose member was admitted (its state may be half
+        updated) and free its cache; jobs still waiting for memory stay."""
+        waiting = {id(seq) for seq in self.session.waiting}
+        runs = [r for r in self._runs.values() if id(r.seq) not in waiting]
         for run in runs:
-            try:
-                run.chunks.close()
-            except Exception:
-                log.exception("closing a crashed generation")
-            self.metrics.finished.labels("error").inc()
-            self._emit(run.job, Failed(run.job.index, CRASHED))
-
-    def _admit(self) -> None:
-        """Move waiting jobs into free slots (holding the lock)."""
-        while self._waiting and self._free:
-            job, engine = self._waiting.popleft(), self._free.pop()
-            chunks = engine.stream(job.ids, sampling=job.sampling, max_tokens=job.max_tokens,
-                                   stop=job.stop, spec=job.spec,
-                                   k_cap=lambda k=job.spec.k: k_cap(self.mode, k))
-            self._running.append(Running(job, engine, chunks))
-            self.metrics.prompt_tokens.inc(len(job.ids))
-        self._publish_load()
+            self._finish(run, "error", Failed(run.job.index, CRASHED))
+        with self._cond:
+            self._publish_load()
 
     def _publish_load(self) -> None:
         """Queue gauges and the speculation mode for the current load (holding the lock)."""
-        running, waiting = len(self._running), len(self._waiting)
+        if threading.current_thread() is self._thread:
+            self._counts = (len(self.session.live), len(self.session.waiting))
+        running, queued = self._counts
+        waiting = queued + len(self._waiting)
         self.metrics.running.set(running)
         self.metrics.queue_depth.set(waiting)
         mode = self.shedding.mode(running + waiting)
@@ -324,29 +399,13 @@ class Worker:
             self.mode = mode
             self.metrics.set_mode(mode)
 
-    def _step(self, run: Running) -> None:
-        job = run.job
-        if job.cancelled.is_set():
-            return self._finish(run, "cancelled")
-        try:
-            chunk = next(run.chunks)
-        except StopIteration:  # cannot happen: the last chunk carries a finish reason
-            return self._finish(run, "error", Failed(job.index, "generation ended early"))
-        except Exception as e:  # a bug or a runtime failure: fail this job, keep serving
-            log.exception("generation failed")
-            return self._finish(run, "error", Failed(job.index,
-                                                     f"generation failed ({short_error(e)})"))
-        step = chunk.step
-        run.steps.append(step)
-        run.tally.add(step)
-        self._observe(run, step)
-        self._emit(job, Delta(job.index, chunk.text, chunk.token_ids, step, run.tally.to_dict()))
-        if step.finish_reason is not None:
-            spec = job.spec
-            k = spec.k if spec.method != "none" else 0
-            stats = GenerationStats.from_steps(spec.method, k, job.arrival, run.steps)
-            self._finish(run, step.finish_reason,
-                         Done(job.index, step.finish_reason, stats, run.tally.new_tokens))
+    def _observe_pass(self, results: list[tuple[Sequence, Step | None]]) -> None:
+        """The pass's batch size, draft tokens and what speculation did in it."""
+        steps = [(self._runs[id(s)], r) for s, r in results if r is not None and not r.prefill]
+        drafted = sum(r.drafted for _, r in steps)
+        wanted = sum(min(run.spec.k, run.seq.k_limit) for run, _ in steps
+                     if run.seq.proposer is not None)
+        self.metrics.observe_pass(self.session.pass_size, drafted, wanted)
 
     def _observe(self, run: Running, step: Step) -> None:
         m, n = self.metrics, len(step.tokens)
@@ -362,14 +421,12 @@ class Worker:
         run.last_token_time = step.time
 
     def _finish(self, run: Running, reason: str, event: Event | None = None) -> None:
-        run.chunks.close()
+        """The job leaves: its member's cache is free before the next pass."""
+        self.session.drop(run.seq)
+        self._runs.pop(id(run.seq), None)
         if event is not None:
             self._emit(run.job, event)
         self.metrics.finished.labels(reason).inc()
-        with self._cond:
-            self._running.remove(run)
-            self._free.append(run.engine)
-            self._publish_load()
 
     def _emit(self, job: Job, event: Event) -> None:
         try:
