@@ -117,6 +117,8 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
     chunks = _chunks(live, drafts, max_tokens, prefill_share)
     members = [b for b, s in enumerate(live) if not s.error and
                (drafts[b] is not None or chunks[b])]
+    if not members:  # every member failed its drafting (or sat out): no pass to run
+        return [None] * len(live)
     batch, trees, spans = _pack([live[b] for b in members], [drafts[b] for b in members],
                                 [chunks[b] for b in members])
     bases = [runtime.length(live[b].handle) for b in members]

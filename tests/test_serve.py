@@ -60,7 +60,7 @@ STARTUP_S = 120
 PROMPTS = ["Hello there", "def f(x):", "The quick brown fox", "abcabcabc", "1, 2, 3, 4,"]
 SPECS = [None, "off", {"method": "ngram", "k": 4}, {"method": "draft", "k": 2,
                                                        "policy": "adaptive"}]
-CONCURRENT_CLIENTS = 24
+CONCURRENT_CLIENTS = 32
 SLOW_FORWARD_S = 0.02  # slow_server: each forward pass sleeps this long
 HANG_S = 60  # a state awaited longer than this means a hang
 PROXY_HOST = "proxy.example"  # the server's --allowed-host
@@ -495,13 +495,24 @@ def test_hostile_bodies_never_5xx(server, body, path):
 
 # --- load: concurrent streams, each exactly its solo output ---------------------------------------
 
+def sampled(i: int) -> bool:
+    """Every fourth client samples (seeded): it must get what it gets alone."""
+    return i % 4 == 3
+
+
 def test_concurrent_streams_each_equal_their_solo_output(server, reference):
-    async def one(api: openai.AsyncOpenAI, i: int) -> tuple[str, str, int]:
+    """32 clients at once, greedy and seeded-sampled, with every speculation a request can ask
+    for, in one batch: each greedy one gets its solo greedy text, each sampled one the text it
+    gets when it runs alone afterwards."""
+    def body(i: int) -> dict:
         spec = SPECS[i % len(SPECS)]
-        stream = await api.completions.create(
-            model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=12 + i % 7, temperature=0,
-            stream=True, stream_options={"include_usage": True},
-            extra_body={} if spec is None else {"speculation": spec})
+        return dict(model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=12 + i % 7,
+                    temperature=0.9 if sampled(i) else 0, seed=i if sampled(i) else None,
+                    extra_body={} if spec is None else {"speculation": spec})
+
+    async def one(api: openai.AsyncOpenAI, i: int) -> tuple[str, str, int]:
+        stream = await api.completions.create(**body(i), stream=True,
+                                              stream_options={"include_usage": True})
         text, usage = [], None
         async for chunk in stream:
             text += [c.text for c in chunk.choices]
@@ -515,15 +526,25 @@ def test_concurrent_streams_each_equal_their_solo_output(server, reference):
             return await asyncio.gather(*(one(api, i) for i in range(CONCURRENT_CLIENTS)))
 
     before = metric(server, "forerun_sequences_finished_total", reason="length")
+    passes = metric(server, "forerun_batch_size_per_pass_count")
+    alone = metric(server, "forerun_batch_size_per_pass_bucket", le="1.0")
     results = asyncio.run(asyncio.wait_for(all_of_them(), 180))
     assert len({rid for _, rid, _ in results}) == CONCURRENT_CLIENTS
     for i, (text, _, tokens) in enumerate(results):
+        if sampled(i):
+            want = client(server).completions.create(**body(i)).choices[0].text
+            assert text == want, f"client {i} (sampled)"
+            continue
         want = reference(PROMPTS[i % len(PROMPTS)], 12 + i % 7)
         assert text == want.text, f"client {i}"
         assert tokens == len(want.token_ids)
     finished = sum(metric(server, "forerun_sequences_finished_total", reason=r)
                    for r in ("stop", "length"))
     assert finished >= CONCURRENT_CLIENTS + before
+    # they were batched: some passes held more than one request
+    more = (metric(server, "forerun_batch_size_per_pass_count") - passes) - (
+        metric(server, "forerun_batch_size_per_pass_bucket", le="1.0") - alone)
+    assert more > 0
     wait_idle(server)
 
 
@@ -536,7 +557,9 @@ def test_metrics_exposition(server):
             "forerun_mean_accepted_length", "forerun_acceptance_by_position",
             "forerun_time_to_first_token_seconds", "forerun_inter_token_latency_seconds",
             "forerun_queue_depth", "forerun_requests_running", "forerun_speculation_mode",
-            "forerun_slots"} <= names
+            "forerun_slots", "forerun_batch_size", "forerun_batch_size_per_pass",
+            "forerun_draft_tokens_last_pass", "forerun_draft_tokens_per_pass",
+            "forerun_batch_passes", "forerun_spec_policy", "forerun_kv_cache_budget_bytes"} <= names
     assert metric(server, "forerun_generation_tokens_total") > 0
     assert metric(server, "forerun_requests_total", path="/v1/completions", status="200") > 0
     assert metric(server, "forerun_time_to_first_token_seconds_count") > 0
@@ -545,6 +568,8 @@ def test_metrics_exposition(server):
     assert metric(server, "forerun_acceptance_by_position", position="0") > 0
     assert metric(server, "forerun_slots") == 8
     assert metric(server, "forerun_speculation_mode", forerun_speculation_mode="full") == 1
+    assert metric(server, "forerun_spec_policy", forerun_spec_policy="always") == 1
+    assert metric(server, "forerun_batch_passes_total", speculation="full") > 0
 
 
 def test_load_script_runs_against_a_server(server, tmp_path):
