@@ -28,6 +28,8 @@ from forerun.bench import report, throughput
 from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
 from forerun.bench.runner import BenchConfig, run_bench, runs_per_prompt
 from forerun.bench.workloads import BUILTIN, Prompt, sample_workloads
+from forerun.commands import bench_serve
+from forerun.commands.bench_serve import add_serve_args
 from forerun.commands.options import add_model_args, load_config
 from forerun.models.load import open_model, resolve_dtype
 from forerun.profile import cached_curve
@@ -50,8 +52,12 @@ def add_parser(sub) -> None:
         "context for the target (and draft), as a table, verify_curve.json and a plot. "
         "throughput: offline batches of --batches prompts decoded together (generate_batch) "
         "under each of --modes, the first of --methods and --ks drafting: total and "
-        "per-sequence tok/s, peak KV memory, the chosen k; throughput.json/.md/.png.")
-    b.add_argument("mode", nargs="?", choices=["methods", "curve", "throughput"],
+        "per-sequence tok/s, peak KV memory, the chosen k; throughput.json/.md/.png. "
+        "serve: start forerun serve once per --spec-policies (and/or take --base-url servers: "
+        "vLLM, llama-server), drive 1..32 concurrent streaming chat clients over the prompts, "
+        "and report total and per-request tok/s, TTFT and ITL p50/p99 and peak server RSS; "
+        "serve_bench.json/.png.")
+    b.add_argument("mode", nargs="?", choices=["methods", "curve", "throughput", "serve"],
                    default="methods", help="what to measure")
     b.add_argument("--workload", action="append", default=None,
                    help=f"{' or '.join(BUILTIN)} or a JSONL file, optionally NAME:N for N "
@@ -96,6 +102,7 @@ def add_parser(sub) -> None:
                    help="the target as a Hugging Face folder for vLLM (made from the GGUF: "
                         "docs/results/peers-setup.md)")
     t.add_argument("--vllm-draft", default=None, metavar="DIR", help="the draft, likewise")
+    add_serve_args(b)
     add_model_args(b)
     b.set_defaults(func=run)
 
@@ -115,6 +122,8 @@ def run(args) -> int:
                       tree_topk=args.tree_topk, lookup=args.lookup, repeats=args.repeats)
     cfg.cells()  # validates method names and k before anything loads
     load = load_config(args)
+    if args.mode == "serve":  # the servers load the models, each in its own process
+        return bench_serve.run(args, out, _meta(args, load))
     curve = args.mode == "curve"
     wants_draft = curve or "draft" in cfg.methods[:1 if args.mode == "throughput" else None]
     with Console(stderr=True).status(f"loading {args.target}"):
