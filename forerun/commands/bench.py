@@ -24,12 +24,11 @@ from rich.table import Table
 from tqdm import tqdm
 
 from forerun.api import DEFAULT_KV_BUDGET_BYTES, Engine, LoadConfig, head_precision, heads_device
-from forerun.bench import report, throughput
+from forerun.bench import report, serve_bench, throughput
 from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
 from forerun.bench.runner import BenchConfig, run_bench, runs_per_prompt
+from forerun.bench.serve_bench import add_serve_args
 from forerun.bench.workloads import BUILTIN, Prompt, sample_workloads
-from forerun.commands import bench_serve
-from forerun.commands.bench_serve import add_serve_args
 from forerun.commands.options import add_model_args, load_config
 from forerun.models.load import open_model, resolve_dtype
 from forerun.profile import cached_curve
@@ -123,7 +122,7 @@ def run(args) -> int:
     cfg.cells()  # validates method names and k before anything loads
     load = load_config(args)
     if args.mode == "serve":  # the servers load the models, each in its own process
-        return bench_serve.run(args, out, _meta(args, load))
+        return serve_bench.run(args, out, _meta(args, load))
     curve = args.mode == "curve"
     wants_draft = curve or "draft" in cfg.methods[:1 if args.mode == "throughput" else None]
     with Console(stderr=True).status(f"loading {args.target}"):

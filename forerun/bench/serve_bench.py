@@ -1,4 +1,4 @@
-"""`forerun bench serve`: the serving benchmark as a command.
+"""`forerun bench serve`: starting and stopping the servers it measures, and its outputs.
 
 Owns: its flags, starting a `forerun serve` per --spec-policies on a free loopback port (the
 bench's model flags, the first of --methods and --ks), waiting for it, stopping it by its PID,
