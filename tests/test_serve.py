@@ -572,21 +572,6 @@ def test_metrics_exposition(server):
     assert metric(server, "forerun_batch_passes_total", speculation="full") > 0
 
 
-def test_load_script_runs_against_a_server(server, tmp_path):
-    out = tmp_path / "load.json"
-    r = subprocess.run(
-        [sys.executable, "experiments/serve_load.py", "--base-url", f"{server}/v1", "--api-key",
-         KEY, "--concurrency", "1,2", "--modes", "on,off,adaptive", "--method", "ngram",
-         "--requests", "2", "--max-tokens", "6", "--prompt", PROMPTS[0], "--prompt", PROMPTS[3],
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
-    assert r.returncode == 0, r.stderr
-    rows = json.loads(out.read_text())["rows"]
-    assert {(row["mode"], row["concurrency"]) for row in rows} == {
-        (m, c) for m in ("on", "off", "adaptive") for c in (1, 2)}
-    assert all(row["tokens"] > 0 and row["total_tok_s"] > 0 for row in rows)
-
-
 # --- a slow server: queue limits, shedding speculation, clients that leave ------------------------
 
 def open_stream(http: httpx.Client, max_tokens: int, prompt: str = PROMPTS[3]):
