@@ -136,7 +136,7 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
             s.fed += rows.stop - rows.start
             if verdict is None:
                 continue
-            if _reads_prompt(s):
+            if reads_prompt(s):
                 needs = s.proposer.needs
                 skip = rows.start + needs.hidden_from(len(s.prompt))  # the rows its head reads
                 s.proposer.feed({i: output.hidden[i][skip:rows.stop] for i in needs.hidden_layers})
@@ -162,7 +162,7 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
     return out
 
 
-def _reads_prompt(s: Sequence) -> bool:
+def reads_prompt(s: Sequence) -> bool:
     """Its head drafts from the features of its prompt's rows (fed after the prefill)."""
     return s.proposer is not None and s.proposer.needs.prompt_features and bool(
         s.proposer.needs.hidden_layers)
@@ -183,7 +183,7 @@ def _chunks(live: list[Sequence], drafts: list[Draft | None], max_tokens: int | 
     chunks = [0] * len(live)
     for b, n in enumerate(left):
         if n and budget > 0:
-            chunks[b] = n if _reads_prompt(live[b]) else min(n, budget)
+            chunks[b] = n if reads_prompt(live[b]) else min(n, budget)
             budget -= chunks[b]
     return chunks
 

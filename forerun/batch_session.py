@@ -3,7 +3,8 @@
 Owns: `BatchSession`, the scheduler over `forerun.batch_engine`: building a batch member from a
 request (its drafter, length policy and cache slack, `sequence`), the FIFO of members waiting
 for KV memory, admission (in arrival order, while the pool has room and `max_batch` allows),
-one pass over the live members (`step`), and leaving: finished members are retired after
+one pass over the live members (`step`), prompt blocks reused from a `PrefixCache` where an
+earlier prompt began the same way, and leaving: finished members are retired after
 their pass, `drop` retires a member now (a client gone: its cache is free before the next
 pass). A member that fails (its drafter raised) leaves alone; the others go on.
 
@@ -21,12 +22,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from forerun.batch_engine import PREFILL_SHARE, Sequence, admit, retire, step
+from forerun.batch_engine import PREFILL_SHARE, Sequence, admit, reads_prompt, retire, step
 from forerun.batch_policy import BatchCost, BatchCostPolicy
 from forerun.heads import KINDS
 from forerun.metrics import Step
 from forerun.models.catalog import ModelError
 from forerun.policy import POLICIES, FixedK
+from forerun.prefix_cache import PrefixCache
 from forerun.propose import AUTO_TREE, AUTO_TREE_MAX, PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.draft_batch import SharedDraftModel
 from forerun.runtime.batch import PoolFull
@@ -50,6 +52,7 @@ class BatchSession:
     max_batch: int | None = None
     max_batch_tokens: int | None = None
     prefill_share: float = PREFILL_SHARE
+    prefix_cache_bytes: int = 0  # prompt blocks' KV kept for later prompts (0: none)
     waiting: deque[Sequence] = field(default_factory=deque)
     live: list[Sequence] = field(default_factory=list)
     _group: dict[str, Any] = field(default_factory=dict)  # shared head state (Medusa's, EAGLE's)
@@ -59,6 +62,8 @@ class BatchSession:
 
     def __post_init__(self):
         self.target = self.engine.batch_view("target", self.kv_budget_bytes)
+        self.prefix = (PrefixCache(self.prefix_cache_bytes) if self.prefix_cache_bytes
+                       and self.target.capabilities.kv_copy else None)
 
     # --- members -----------------------------------------------------------------------------
 
@@ -127,6 +132,10 @@ class BatchSession:
                        self.prefill_share)
         out = ended + [(s, r) for s, r in zip(self.live, results, strict=True)
                        if r is not None or s.error is not None]
+        if self.prefix is not None:  # a prompt now cached: keep its blocks for later prompts
+            for s, r in out:
+                if r is not None and r.prefill:
+                    self.prefix.store(self.target, s.handle, s.prompt)
         for s in [s for s in self.live if s.finish]:
             self._leave(s)
         return out
@@ -148,6 +157,8 @@ class BatchSession:
                 seq.fail(e)
             self.waiting.popleft()
             if seq.error is None:
+                if self.prefix is not None and not reads_prompt(seq):
+                    seq.fed = self.prefix.load(self.target, seq.handle, seq.prompt)
                 self.live.append(seq)
             else:
                 failed.append((seq, None))

@@ -9,6 +9,7 @@ read from the batch's own records, not from the clock.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import ClassVar
 
 import pytest
@@ -227,3 +228,24 @@ def test_a_failed_target_pass_fails_its_requests_and_the_next_ones_run(model_dir
         assert out.text(i) == reference(PROMPTS[i], MAX_TOKENS).text
     assert worker.restarts == 0
     assert worker.session.target.pool.free_slots == worker.session.target.pool.slots
+
+
+def test_a_repeated_chat_history_reuses_its_prefix_and_stays_exact(model_dirs, reference):  # noqa: F811
+    engine = engine_of(model_dirs, SpecConfig("none"))
+    worker = Worker(engine, slots=2, max_queue=2, prefix_cache_bytes=1 << 20)
+    history = "The quick brown fox jumps over the lazy dog. " * 2
+    prompts = [history + "Again?", history + "Why?"]
+    worker.start()
+    try:
+        for i, prompt in enumerate(prompts):  # one after the other: the first one's blocks stay
+            out = Collect(1)
+            worker.submit([replace(job(engine, prompt), emit=out.emit(0))])
+            out.wait()
+            assert out.text(0) == reference(prompt, MAX_TOKENS).text, prompt
+            hits = worker.session.prefix.hits
+            assert hits == (0 if i == 0 else len(history) // 16 * 16)
+    finally:
+        worker.stop()
+    gauge = next(m for m in worker.metrics.registry.collect()
+                 if m.name == "forerun_prefix_cache_hit_tokens")
+    assert gauge.samples[0].value == hits > 0

@@ -76,6 +76,11 @@ def add_parser(sub) -> None:
                         f"{DEFAULT_KV_BUDGET_BYTES / 2**30:g} GB, or "
                         f"{DEFAULT_KV_FRACTION * 100:.0f}%% of the memory available at start-up if "
                         "that is less")
+    g.add_argument("--prefix-cache-gb", type=float, default=None, metavar="GB",
+                   help="KV of prompt blocks kept for later prompts that begin the same way (a "
+                        "system prompt, a chat history sent again): they skip that part of "
+                        "the prefill. Unset = a quarter of the KV cache; 0 = off (llama.cpp "
+                        "runtime: always off)")
     g.add_argument("--max-batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
                    help="rows of one target pass: decodes first, prompts in chunks with what "
                         "is left (at least a quarter of it), so a long prompt never stalls the "
@@ -123,15 +128,19 @@ def run(args) -> int:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
         raise ValueError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
+    if args.prefix_cache_gb is not None and args.prefix_cache_gb < 0:
+        raise ValueError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
     err = Console(stderr=True)
     api_key = read_api_key(args)
     kv_bytes = (int(args.kv_cache_gb * 2**30) if args.kv_cache_gb is not None
                 else default_kv_bytes())
+    prefix_bytes = (kv_bytes // 4 if args.prefix_cache_gb is None
+                    else int(args.prefix_cache_gb * 2**30))
     engine = load_engine(args, err)
     with err.status("starting the worker"):
         worker = Worker(engine, slots=args.max_concurrent, max_queue=args.max_queue,
                         kv_cache_bytes=kv_bytes, max_batch_tokens=args.max_batch_tokens,
-                        spec_policy=args.spec_policy,
+                        spec_policy=args.spec_policy, prefix_cache_bytes=prefix_bytes,
                         shedding=LoadShedding(args.spec_reduce_above, args.spec_off_above),
                         on_fatal=lambda: setattr(server, "should_exit", True))
     with err.status("recording the decode passes (CUDA graphs)"):

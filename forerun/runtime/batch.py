@@ -228,7 +228,7 @@ class BatchTorchRuntime:
         graphs = static and runtime.device.type == "cuda"
         self._static = BatchStaticPasses(self, graphs) if static else None
         self.capabilities = Capabilities(hidden_layers=True, final_hidden=True,
-                                         static_passes=static, cuda_graphs=graphs)
+                                         static_passes=static, cuda_graphs=graphs, kv_copy=True)
 
     # --- sequences ------------------------------------------------------------------------
 
@@ -272,6 +272,24 @@ class BatchTorchRuntime:
         if not 0 <= length <= r.length:
             raise ValueError(f"cannot truncate a cache of {r.length} tokens to {length}")
         r.length = length
+
+    def read_kv(self, seq: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the member's cached keys and values of slots start..stop, each
+        [L, Hkv, stop - start, hd] (a prefix cache keeps them)."""
+        r = self.pool.region(seq)
+        if not 0 <= start <= stop <= r.length:
+            raise ValueError(f"slots {start}..{stop} are not cached ({r.length} are)")
+        at = slice(r.start + start, r.start + stop)
+        return self.pool.k[:, :, at].clone(), self.pool.v[:, :, at].clone()
+
+    def write_kv(self, seq: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Make k, v ([L, Hkv, n, hd]) the member's first n cached slots (it caches n)."""
+        r, n = self.pool.region(seq), k.shape[2]
+        if n > r.size:
+            raise ValueError(f"{n} slots do not fit a region of {r.size}")
+        self.pool.k[:, :, r.start:r.start + n] = k
+        self.pool.v[:, :, r.start:r.start + n] = v
+        r.length = n
 
     # --- the pass -------------------------------------------------------------------------
 

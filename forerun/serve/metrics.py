@@ -124,6 +124,17 @@ class ServerMetrics:
             self.passes.labels("off" if not drafted else "reduced" if drafted < wanted
                                else "full").inc()
 
+    def watch_prefix_cache(self, cache) -> None:
+        """Gauges read off the batch's PrefixCache (None: no prefix cache, they read 0)."""
+        r = self.registry
+        Gauge("forerun_prefix_cache_hit_tokens", "prompt tokens whose KV came from the prefix "
+              "cache, since start", registry=r).set_function(lambda: cache.hits if cache else 0)
+        Gauge("forerun_prefix_cache_lookup_tokens", "prompt tokens looked up in the prefix "
+              "cache, since start", registry=r).set_function(
+            lambda: cache.lookups if cache else 0)
+        Gauge("forerun_prefix_cache_bytes", "KV bytes the prefix cache holds",
+              registry=r).set_function(lambda: cache.bytes if cache else 0)
+
     def set_mode(self, mode: str) -> None:
         self.mode.state(mode)
 

@@ -11,8 +11,10 @@ order while its KV memory (`kv_cache_bytes`, reserved per request for its prompt
 and `slots` (the most requests decoded at once) allow, runs one target pass over every live
 request, prompts chunked under `max_batch_tokens` so that a long one never stalls the decodes
 around it, and retires the finished. A request that does not fit waits; beyond `slots +
-max_queue` requests in flight, `submit` refuses (429). Each request's tokens are exactly the
-ones it would get alone (batch invariance: tests/test_batch_*.py).
+max_queue` requests in flight, `submit` refuses (429). A prompt that begins like an earlier
+one takes those blocks' KV from the session's prefix cache (`prefix_cache_bytes`) and feeds
+only the rest. Each request's tokens are exactly the ones it would get alone (batch
+invariance: tests/test_batch_*.py, tests/test_prefix_cache.py).
 
 Speculation under load, `spec_policy`:
 - adaptive (default): the batch cost policy chooses every request's draft length together at
@@ -186,6 +188,7 @@ class Worker:
     def __init__(self, engine: Engine, *, slots: int, max_queue: int,
                  kv_cache_bytes: int = DEFAULT_KV_BUDGET_BYTES,
                  max_batch_tokens: int | None = None, spec_policy: str = "adaptive",
+                 prefix_cache_bytes: int = 0,
                  shedding: LoadShedding | None = None, metrics: ServerMetrics | None = None,
                  on_fatal: Callable[[], None] | None = None):
         if slots < 1 or max_queue < 0:
@@ -200,7 +203,8 @@ class Worker:
         self.shedding = shedding or LoadShedding()
         self.metrics = metrics or ServerMetrics()
         self.session = BatchSession(engine, kv_cache_bytes, joint=spec_policy == "adaptive",
-                                    max_batch=slots, max_batch_tokens=max_batch_tokens)
+                                    max_batch=slots, max_batch_tokens=max_batch_tokens,
+                                    prefix_cache_bytes=prefix_cache_bytes)
         self._waiting: deque[Job] = deque()  # submitted, not yet in the session
         self._runs: dict[int, Running] = {}  # id(seq) -> the jobs in the session
         self._counts = (0, 0)  # (live, waiting in the session), as of the last pass
@@ -212,6 +216,7 @@ class Worker:
         self.metrics.slots.set(slots)
         self.metrics.kv_budget.set(kv_cache_bytes)
         self.metrics.spec_policy.state(spec_policy)
+        self.metrics.watch_prefix_cache(self.session.prefix)
         self.metrics.set_mode(self.mode)
         self._thread = threading.Thread(target=self._loop, name="forerun-worker", daemon=True)
 
