@@ -70,10 +70,17 @@ class Sequence:
     finish: str | None = None  # "stop", "length", or "error" (then `error` says why)
     error: BaseException | None = None
     steps: list[Step] = field(default_factory=list)
+    # preempted (its cache freed): the tokens it had, restored once its cache is recomputed
+    resume: list[int] | None = None
 
     @property
     def prefilled(self) -> bool:
         return bool(self.tokens)
+
+    def source(self) -> list[int]:
+        """What its prefill feeds: the prompt, or after a preemption every token it had but
+        the pending one (recomputed, not sampled: its output stays as it was)."""
+        return self.prompt if self.resume is None else self.resume[:-1]
 
     def fail(self, error: BaseException) -> None:
         self.error, self.finish = error, "error"
@@ -83,11 +90,12 @@ class Sequence:
         return len(self.prompt) + self.max_new_tokens + self.max_k + 1
 
 
-def admit(runtime: BatchRuntime, seq: Sequence) -> None:
-    """Reserve the sequence's cache region (PoolFull when it does not fit now)."""
+def admit(runtime: BatchRuntime, seq: Sequence, reserve: int | None = None) -> None:
+    """Reserve the sequence's cache region, `reserve` slots (None: all it can ever need);
+    PoolFull when it does not fit now. A preempted member keeps its drafter's state."""
     check_prompt(seq.prompt, runtime.capacity)
-    seq.handle = runtime.add(min(seq.slots(), runtime.capacity))
-    if seq.proposer is not None:
+    seq.handle = runtime.add(min(reserve or seq.slots(), seq.slots(), runtime.capacity))
+    if seq.proposer is not None and seq.resume is None:
         try:
             seq.proposer.prefill(seq.prompt)  # a shared drafter reserves its region here
         except PoolFull:
@@ -134,6 +142,8 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
         s, d, rows = live[b], drafts[b], batch.rows_of(j)
         if d is None:  # a prompt chunk: the last one's last row gave the first token
             s.fed += rows.stop - rows.start
+            if s.resume is not None and s.fed == len(s.source()):  # recomputed: decode on
+                s.tokens, s.resume = s.resume, None
             if verdict is None:
                 continue
             if reads_prompt(s):
@@ -174,7 +184,7 @@ def _chunks(live: list[Sequence], drafts: list[Draft | None], max_tokens: int | 
     those the budget leaves out): decode rows first, then prompts in arrival order with what
     is left of `max_tokens`, at least `share` of it. A member whose head reads its prompt's
     features takes its whole prompt at once."""
-    left = [len(s.prompt) - s.fed if d is None and not s.error else 0
+    left = [len(s.source()) - s.fed if d is None and not s.error else 0
             for s, d in zip(live, drafts, strict=True)]
     if max_tokens is None:
         return left
@@ -246,7 +256,7 @@ def _pack(live: list[Sequence], drafts: list[Draft | None], chunks: list[int]
     feeds, trees = [], []
     for s, d, n in zip(live, drafts, chunks, strict=True):
         if d is None:
-            feeds.append(torch.tensor(s.prompt[s.fed:s.fed + n]))
+            feeds.append(torch.tensor(s.source()[s.fed:s.fed + n]))
             trees.append(None)
         else:
             feeds.append(torch.cat([torch.tensor(s.tokens[-1:]), d.tokens]))  # [N_b+1]
@@ -258,8 +268,9 @@ def _pack(live: list[Sequence], drafts: list[Draft | None], chunks: list[int]
     wanted, spans = [], []
     for b, (s, d, n) in enumerate(zip(live, drafts, chunks, strict=True)):
         rows = batch.rows_of(b)
+        last = s.resume is None and s.fed + n == len(s.prompt)  # a recompute samples nothing
         mine = (range(rows.start, rows.stop) if d is not None else
-                range(rows.stop - 1, rows.stop) if s.fed + n == len(s.prompt) else range(0))
+                range(rows.stop - 1, rows.stop) if last else range(0))
         spans.append(range(len(wanted), len(wanted) + len(mine)))
         wanted.extend(mine)
     every = wanted == list(range(len(batch.tokens)))

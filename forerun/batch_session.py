@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from forerun.api import Engine
 
 MAX_BATCH_K = 16  # the adaptive policy's longest draft (AdaptiveK.k_max): its cache slack
+GROW_TOKENS = 64  # `lazy`: slots a region takes beyond its prompt, and grows by, at a time
 
 
 @dataclass
@@ -53,6 +54,10 @@ class BatchSession:
     max_batch_tokens: int | None = None
     prefill_share: float = PREFILL_SHARE
     prefix_cache_bytes: int = 0  # prompt blocks' KV kept for later prompts (0: none)
+    # reserve a prompt + GROW_TOKENS and grow while decoding (the youngest member preempted
+    # when memory runs out), not the worst case; only where the runtime can move a region
+    lazy: bool = False
+    preempted: int = 0  # preemptions since start
     waiting: deque[Sequence] = field(default_factory=deque)
     live: list[Sequence] = field(default_factory=list)
     _group: dict[str, Any] = field(default_factory=dict)  # shared head state (Medusa's, EAGLE's)
@@ -64,6 +69,7 @@ class BatchSession:
         self.target = self.engine.batch_view("target", self.kv_budget_bytes)
         self.prefix = (PrefixCache(self.prefix_cache_bytes) if self.prefix_cache_bytes
                        and self.target.capabilities.kv_copy else None)
+        self.lazy = self.lazy and self.target.capabilities.kv_copy
 
     # --- members -----------------------------------------------------------------------------
 
@@ -124,7 +130,7 @@ class BatchSession:
     def step(self) -> list[tuple[Sequence, Step | None]]:
         """Admit what fits, run one pass over the live members, retire the finished -> every
         member that emitted or ended (Step None: it failed, `seq.error` says why)."""
-        ended = self._admit()
+        ended = self._admit() + (self._make_room() if self.lazy else [])
         self.pass_size = len(self.live)
         if not self.live:
             return ended
@@ -146,8 +152,9 @@ class BatchSession:
         failed = []
         while self.waiting and (self.max_batch is None or len(self.live) < self.max_batch):
             seq = self.waiting[0]
+            reserve = (len(seq.source()) + seq.max_k + 1 + GROW_TOKENS) if self.lazy else None
             try:
-                admit(self.target, seq)
+                admit(self.target, seq, reserve)
             except PoolFull as e:
                 if self.live:  # memory frees as members finish: wait
                     break
@@ -158,11 +165,54 @@ class BatchSession:
             self.waiting.popleft()
             if seq.error is None:
                 if self.prefix is not None and not reads_prompt(seq):
-                    seq.fed = self.prefix.load(self.target, seq.handle, seq.prompt)
+                    seq.fed = self.prefix.load(self.target, seq.handle, seq.source())
                 self.live.append(seq)
             else:
                 failed.append((seq, None))
         return failed
+
+    def _make_room(self) -> list[tuple[Sequence, Step | None]]:
+        """`lazy`: every decoding member's region grown to hold its next verify pass; where
+        the pool is short, the youngest preemptible member is preempted (its cache freed, its
+        place at the head of the queue, its cache recomputed when it comes back) until it
+        fits (or is itself the youngest). -> members that could not be given room, failed."""
+        failed = []
+        for s in list(self.live):
+            if s.handle < 0 or not s.prefilled:
+                continue
+            want = min(s.slots(), len(s.tokens) + s.max_k)  # the cache after its verify pass
+            if self.target.reserved(s.handle) >= want:
+                continue
+            size = min(s.slots(), max(want, self.target.reserved(s.handle) + GROW_TOKENS))
+            while s.handle >= 0:
+                try:
+                    self.target.grow(s.handle, size)
+                    break
+                except PoolFull:  # (never draft less for want of room: a seeded member
+                    # draws as it would in any pool)
+                    victim = next((v for v in reversed(self.live) if _preemptible(v)), None)
+                    if victim is None or self.live == [s]:  # alone, it can never fit
+                        s.fail(PoolFull("the KV cache budget cannot hold this request with "
+                                        "the others running; raise the budget or lower "
+                                        "max_tokens" if victim is None else
+                                        "the KV cache budget cannot hold this request; "
+                                        "raise the budget or lower max_tokens"))
+                        failed.append((s, None))
+                        self._leave(s)
+                        break
+                    self._preempt(victim)
+        return failed
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a live member's cache and queue it first; it resumes where it was."""
+        self.target.release(seq.handle)
+        seq.handle = -1
+        if seq.prefilled:
+            seq.resume = seq.tokens
+        seq.tokens, seq.fed = [], 0
+        self.live.remove(seq)
+        self.waiting.appendleft(seq)
+        self.preempted += 1
 
     def _leave(self, seq: Sequence) -> None:
         retire(self.target, seq)
@@ -197,6 +247,12 @@ class BatchSession:
             self._draft = SharedDraftModel(self.engine.batch_view("draft", self.kv_budget_bytes),
                                            self.engine.target.config.vocab_size)
         return self._draft
+
+
+def _preemptible(seq: Sequence) -> bool:
+    """A member whose cache alone can be freed and recomputed: its drafter keeps no cache
+    region of its own (a shared draft model's) and reads no features of the prompt's rows."""
+    return seq.proposer is None or (seq.proposer.group is None and not reads_prompt(seq))
 
 
 def max_nodes(spec: SpecConfig) -> int:

@@ -130,3 +130,35 @@ def test_only_members_running_the_draft_model_pay_its_rounds():
     assert mixed[1] == 6 and mixed[1] > paying[1]  # the free drafter drafts all it may
     assert cost.choose([0.8, 0.8], [6, 6], paid=[False, False]) == BatchCost(FLAT).choose(
         [0.8, 0.8], [6, 6])
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_lazy_regions_preempt_the_youngest_and_every_output_stays(method, temperature,
+                                                                  monkeypatch):
+    """Regions that start at the prompt and grow as members decode overcommit the pool: the
+    youngest member is preempted (cache freed, recomputed when it comes back) and every member
+    still gets exactly what it gets in a pool that holds everyone's worst case."""
+    monkeypatch.setattr("forerun.batch_session.GROW_TOKENS", 4)
+    prompts, budgets = PROMPTS[:5], [40, 36, 44, 30, 40]
+    samplings = [SamplingConfig(temperature=temperature, seed=i) for i in range(5)]
+    engine = _engine(method, k=3)
+    per_token = engine.batch_view("target", BUDGET).pool.bytes_per_token
+
+    def run(budget_bytes: int, lazy: bool) -> tuple[list[list[int]], BatchSession]:
+        session = BatchSession(engine, budget_bytes, lazy=lazy, max_batch_tokens=16)
+        seqs = [session.sequence(p, s, n, SpecConfig(method, 3))
+                for p, s, n in zip(prompts, samplings, budgets, strict=True)]
+        for seq in seqs:
+            session.add(seq)
+        while not session.idle:
+            session.step()
+        assert all(seq.error is None for seq in seqs), [seq.error for seq in seqs]
+        return [[t for st in seq.steps for t in st.tokens] for seq in seqs], session
+
+    roomy, _ = run(BUDGET, lazy=False)
+    tight, session = run(per_token * 150, lazy=True)  # ~2.5 members' worst case
+    assert tight == roomy
+    assert session.preempted > 0
+    if temperature == 0:
+        assert roomy == [_solo(p, n) for p, n in zip(prompts, budgets, strict=True)]

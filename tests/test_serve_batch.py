@@ -110,7 +110,7 @@ def test_the_kv_budget_admits_what_fits_and_the_rest_waits(model_dirs, reference
     prompt_len = max(len(job(engine, p).ids) for p in PROMPTS[:3])
     # room for one request (prompt + max_tokens + one pass), not two
     budget = per_token * (prompt_len + MAX_TOKENS + 8)
-    worker = Worker(engine, slots=4, max_queue=4, kv_cache_bytes=budget)
+    worker = Worker(engine, slots=4, max_queue=4, kv_cache_bytes=budget, lazy_kv=False)
     too_long = job(engine, PROMPTS[0], max_tokens=10 * MAX_TOKENS)
     out = run_jobs(worker, [job(engine, PROMPTS[i]) for i in range(3)] + [too_long])
     for i in range(3):
@@ -249,3 +249,20 @@ def test_a_repeated_chat_history_reuses_its_prefix_and_stays_exact(model_dirs, r
     gauge = next(m for m in worker.metrics.registry.collect()
                  if m.name == "forerun_prefix_cache_hit_tokens")
     assert gauge.samples[0].value == hits > 0
+
+
+def test_growing_regions_preempt_and_recompute_with_the_same_output(model_dirs, reference,  # noqa: F811
+                                                                     monkeypatch):
+    monkeypatch.setattr("forerun.batch_session.GROW_TOKENS", 4)
+    engine = engine_of(model_dirs)
+    probe = Worker(engine, slots=4, max_queue=4)
+    per_token = probe.session.target.pool.bytes_per_token
+    longest = max(len(job(engine, p).ids) for p in PROMPTS)
+    # two requests' worst case, four in the batch: they overcommit it
+    worker = Worker(engine, slots=4, max_queue=4, spec_policy="always",
+                    kv_cache_bytes=per_token * 2 * (longest + 2 * MAX_TOKENS + 4))
+    out = run_jobs(worker, [job(engine, p, max_tokens=2 * MAX_TOKENS) for p in PROMPTS])
+    for i, prompt in enumerate(PROMPTS):
+        assert out.text(i) == reference(prompt, 2 * MAX_TOKENS).text, f"job {i}"
+    assert worker.session.preempted > 0
+    assert worker.metrics.preemptions._value.get() == worker.session.preempted

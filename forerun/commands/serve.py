@@ -76,6 +76,12 @@ def add_parser(sub) -> None:
                         f"{DEFAULT_KV_BUDGET_BYTES / 2**30:g} GB, or "
                         f"{DEFAULT_KV_FRACTION * 100:.0f}%% of the memory available at start-up if "
                         "that is less")
+    g.add_argument("--kv-reserve", choices=["grow", "worst"], default="grow",
+                   help="grow: a request reserves its prompt and a little more and grows as "
+                        "it decodes; when memory runs out the youngest is preempted and "
+                        "recomputed later (its output unchanged). worst: each reserves its "
+                        "prompt + max_tokens up front, never preempted (llama.cpp runtime: "
+                        "always worst)")
     g.add_argument("--prefix-cache-gb", type=float, default=None, metavar="GB",
                    help="KV of prompt blocks kept for later prompts that begin the same way (a "
                         "system prompt, a chat history sent again): they skip that part of "
@@ -141,6 +147,7 @@ def run(args) -> int:
         worker = Worker(engine, slots=args.max_concurrent, max_queue=args.max_queue,
                         kv_cache_bytes=kv_bytes, max_batch_tokens=args.max_batch_tokens,
                         spec_policy=args.spec_policy, prefix_cache_bytes=prefix_bytes,
+                        lazy_kv=args.kv_reserve == "grow",
                         shedding=LoadShedding(args.spec_reduce_above, args.spec_off_above),
                         on_fatal=lambda: setattr(server, "should_exit", True))
     with err.status("recording the decode passes (CUDA graphs)"):

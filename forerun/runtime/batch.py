@@ -173,9 +173,33 @@ class CachePool:
         raise PoolFull(f"no free cache region of {tokens} slots "
                        f"({self.free_slots} of {self.slots} slots free, fragmented)")
 
+    def grow(self, seq: int, tokens: int) -> None:
+        """Let the sequence cache up to `tokens` tokens: into the free slots right after its
+        region, else in a new region its cached slots move to; PoolFull if neither fits."""
+        r = self._regions[seq]
+        if tokens <= r.size:
+            return
+        need, end = tokens - r.size, r.start + r.size
+        for i, (start, size) in enumerate(self._free):
+            if start == end and size >= need:
+                self._free[i:i + 1] = [(start + need, size - need)] if size > need else []
+                r.size = tokens
+                self.peak_slots = max(self.peak_slots, self.slots - self.free_slots)
+                return
+        moved = self._regions.pop(self.allocate(tokens))  # PoolFull: nothing is changed
+        at, to = slice(r.start, r.start + r.length), slice(moved.start, moved.start + r.length)
+        self.k[:, :, to] = self.k[:, :, at]  # [L, Hkv, length, hd]
+        self.v[:, :, to] = self.v[:, :, at]
+        moved.length = r.length
+        self._regions[seq] = moved
+        self._free_span(r.start, r.size)
+
     def release(self, seq: int) -> None:
         region = self._regions.pop(seq)
-        spans = sorted([*self._free, (region.start, region.size)])
+        self._free_span(region.start, region.size)
+
+    def _free_span(self, start: int, size: int) -> None:
+        spans = sorted([*self._free, (start, size)])
         merged: list[tuple[int, int]] = []
         for start, size in spans:  # coalesce neighbours
             if merged and merged[-1][0] + merged[-1][1] == start:
@@ -241,6 +265,13 @@ class BatchTorchRuntime:
 
     def release(self, seq: int) -> None:
         self.pool.release(seq)
+
+    def grow(self, seq: int, tokens: int) -> None:
+        """Let a member cache up to `tokens` tokens (PoolFull when the pool cannot)."""
+        if tokens > self.capacity:
+            raise ValueError(f"a sequence of {tokens} tokens exceeds the context "
+                             f"{self.capacity}")
+        self.pool.grow(seq, tokens)
 
     def length(self, seq: int) -> int:
         return self.pool.region(seq).length

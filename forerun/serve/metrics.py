@@ -88,6 +88,9 @@ class ServerMetrics:
         self.passes = Counter("forerun_batch_passes", "target passes with decoding requests "
                               "that could draft, by what speculation did: full (each its k), "
                               "reduced (fewer) or off (none)", ["speculation"], registry=r)
+        self.preemptions = Gauge("forerun_preemptions", "requests preempted (cache freed, "
+                                 "recomputed later) for want of KV memory, since start",
+                                 registry=r)
         self._lock = threading.Lock()
         self._totals = [0, 0, 0]  # drafted, accepted, verify steps
         self._at: dict[int, list[int]] = {}  # position -> [drafted, accepted]

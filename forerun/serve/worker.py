@@ -7,14 +7,17 @@ be thread-safe) as `Delta` events, then one `Done` or `Failed`.
 
 Scheduling. The worker drives one `BatchSession` (`forerun.batch_session`). Every loop, the
 jobs submitted since the last one join the session's FIFO; the session admits them in arrival
-order while its KV memory (`kv_cache_bytes`, reserved per request for its prompt + max_tokens)
-and `slots` (the most requests decoded at once) allow, runs one target pass over every live
-request, prompts chunked under `max_batch_tokens` so that a long one never stalls the decodes
-around it, and retires the finished. A request that does not fit waits; beyond `slots +
-max_queue` requests in flight, `submit` refuses (429). A prompt that begins like an earlier
-one takes those blocks' KV from the session's prefix cache (`prefix_cache_bytes`) and feeds
-only the rest. Each request's tokens are exactly the ones it would get alone (batch
-invariance: tests/test_batch_*.py, tests/test_prefix_cache.py).
+order while its KV memory (`kv_cache_bytes`) and `slots` (the most requests decoded at once)
+allow, runs one target pass over every live request (prompts chunked under
+`max_batch_tokens`, so that a long one never stalls the decodes around it) and retires the
+finished. With `lazy_kv` a request reserves its prompt and a little more and grows as it
+decodes; when memory runs out the youngest request is preempted (its cache freed) and
+recomputed when it comes back, its output unchanged. Without it each reserves its prompt +
+max_tokens up front. A request that does not fit waits; beyond `slots + max_queue` requests in
+flight, `submit` refuses (429). A prompt that begins like an earlier one takes those blocks'
+KV from the session's prefix cache (`prefix_cache_bytes`) and feeds only the rest. Each
+request's tokens are exactly the ones it would get alone (batch invariance:
+tests/test_batch_*.py, tests/test_prefix_cache.py).
 
 Speculation under load, `spec_policy`:
 - adaptive (default): the batch cost policy chooses every request's draft length together at
@@ -188,7 +191,7 @@ class Worker:
     def __init__(self, engine: Engine, *, slots: int, max_queue: int,
                  kv_cache_bytes: int = DEFAULT_KV_BUDGET_BYTES,
                  max_batch_tokens: int | None = None, spec_policy: str = "adaptive",
-                 prefix_cache_bytes: int = 0,
+                 prefix_cache_bytes: int = 0, lazy_kv: bool = True,
                  shedding: LoadShedding | None = None, metrics: ServerMetrics | None = None,
                  on_fatal: Callable[[], None] | None = None):
         if slots < 1 or max_queue < 0:
@@ -204,7 +207,7 @@ class Worker:
         self.metrics = metrics or ServerMetrics()
         self.session = BatchSession(engine, kv_cache_bytes, joint=spec_policy == "adaptive",
                                     max_batch=slots, max_batch_tokens=max_batch_tokens,
-                                    prefix_cache_bytes=prefix_cache_bytes)
+                                    prefix_cache_bytes=prefix_cache_bytes, lazy=lazy_kv)
         self._waiting: deque[Job] = deque()  # submitted, not yet in the session
         self._runs: dict[int, Running] = {}  # id(seq) -> the jobs in the session
         self._counts = (0, 0)  # (live, waiting in the session), as of the last pass
@@ -356,6 +359,7 @@ class Worker:
                 self._finish(run, "error", Failed(run.job.index, message))
             return
         self._observe_pass(results)
+        self.metrics.preemptions.set(self.session.preempted)
         for seq, step in results:
             run = self._runs[id(seq)]
             if step is None:
