@@ -191,8 +191,8 @@ def test_warm_up_records_every_size_and_keeps_the_cache():
 
 
 def test_engine_and_server_slots_warm_up_their_runtimes():
-    """Engine.warm_up records the target's and the draft's passes; a server's Worker warms
-    every slot's engine (each fork records passes of its own) before serving."""
+    """Engine.warm_up records the target's and the draft's passes; a server's Worker (one
+    batch over one engine, no per-slot forks) warms that engine before serving."""
     from forerun.api import Engine
     from forerun.runtime.static import STATIC_SIZES
     from forerun.serve.worker import Worker
@@ -201,7 +201,7 @@ def test_engine_and_server_slots_warm_up_their_runtimes():
     assert engine.warm_up() == 2 * len(STATIC_SIZES)
     assert Engine.from_runtimes(tiny_runtime(1), None).warm_up() == 0
     worker = Worker(Engine.from_runtimes(static_runtime(1), None), slots=2, max_queue=0)
-    assert worker.warm_up() == 2 * len(STATIC_SIZES)
+    assert worker.warm_up() == len(STATIC_SIZES)
 
 
 def test_static_passes_near_the_end_of_the_cache_and_in_a_fork():
