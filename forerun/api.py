@@ -23,7 +23,7 @@ from forerun.metrics import GenerationStats, Step
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
 from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model, resolve_dtype, target_io
 from forerun.models.tokenizer import TextTokenizer
-from forerun.policy import POLICIES, LengthPolicy
+from forerun.policy import POLICIES
 from forerun.profile import ForwardCurve
 from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.reference import plain_decode
@@ -87,20 +87,6 @@ class Completion:
         return {"text": self.text, "token_ids": self.token_ids,
                 "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
                 "stats": self.stats.to_dict()}
-
-
-@dataclass
-class CappedK:
-    """A length policy whose k is capped by a value read at each step (e.g. from server load)."""
-
-    policy: LengthPolicy
-    cap: Callable[[], int]
-
-    def next_k(self) -> int:
-        return min(self.policy.next_k(), self.cap())
-
-    def update(self, drafted: int, accepted: int) -> None:
-        self.policy.update(drafted, accepted)
 
 
 def heads_device(load: LoadConfig) -> str:
@@ -225,11 +211,9 @@ class Engine:
 
     def stream(self, prompt: str | list[int], *, sampling: SamplingConfig | None = None,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: tuple[str, ...] = (),
-               raw: bool = False, spec: SpecConfig | None = None,
-               k_cap: Callable[[], int] | None = None) -> Generator[Chunk, None, None]:
-        """Yield text as it is generated; `spec` overrides the engine's speculation config;
-        `k_cap`, read before every verify step, caps the draft length (0 = a plain step): a
-        server lowers it under load. One chunk per target forward pass."""
+               raw: bool = False, spec: SpecConfig | None = None) -> Generator[Chunk, None, None]:
+        """Yield text as it is generated; `spec` overrides the engine's speculation config.
+        One chunk per target forward pass."""
         sampling, spec = sampling or SamplingConfig(), spec or self.spec
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -242,8 +226,6 @@ class Engine:
             proposer = PROPOSERS[spec.method](spec, self.proposers)
             # the cost policy measures forward times at a runtime's first use (see profile.py)
             policy = POLICIES[spec.policy](spec, self.target, proposer.runtime)
-            if k_cap is not None:
-                policy = CappedK(policy, k_cap)
             steps = speculative_decode(self.target, proposer, policy, ids, sampling, max_tokens,
                                        stop_ids, generator)
         out = TextOut(self.tokenizer, stop)

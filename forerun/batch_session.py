@@ -191,12 +191,9 @@ class BatchSession:
                 except PoolFull:  # (never draft less for want of room: a seeded member
                     # draws as it would in any pool)
                     victim = next((v for v in reversed(self.live) if _preemptible(v)), None)
-                    if victim is None or self.live == [s]:  # alone, it can never fit
-                        s.fail(PoolFull("the KV cache budget cannot hold this request with "
-                                        "the others running; raise the budget or lower "
-                                        "max_tokens" if victim is None else
-                                        "the KV cache budget cannot hold this request; "
-                                        "raise the budget or lower max_tokens"))
+                    if victim is None or self.live == [s]:  # nothing left to free
+                        s.fail(PoolFull("the KV cache budget cannot hold this request; raise "
+                                        "the budget or lower max_tokens"))
                         failed.append((s, None))
                         self._leave(s)
                         break

@@ -52,15 +52,19 @@ class PrefixCache:
     def _chain(self, prompt: list[int]) -> list[tuple[int, tuple[int, ...]]]:
         """The keys of the cached blocks that begin `prompt`, root first (its last token
         excluded: it is fed, for the first logits)."""
-        keys, parent, b = [], ROOT, self.block
-        for start in range(0, len(prompt) - 1 - b + 1, b):
-            key = (parent, tuple(prompt[start:start + b]))
+        keys, parent = [], ROOT
+        for start in self._starts(prompt):
+            key = (parent, tuple(prompt[start:start + self.block]))
             found = self._blocks.get(key)
             if found is None:
                 break
             keys.append(key)
             parent = found.id
         return keys
+
+    def _starts(self, prompt: list[int]) -> range:
+        """Where the prompt's whole blocks begin, short of its last token (always fed)."""
+        return range(0, len(prompt) - self.block, self.block)
 
     def _touch(self, keys: list[tuple[int, tuple[int, ...]]]) -> None:
         for key in reversed(keys):  # the root last: most recently used, evicted last
@@ -84,7 +88,7 @@ class PrefixCache:
     def store(self, runtime: BatchRuntime, seq: int, prompt: list[int]) -> None:
         """Keep the blocks of `prompt` (cached in member `seq`) that are not kept yet."""
         keys, parent, b = [], ROOT, self.block
-        for start in range(0, len(prompt) - 1 - b + 1, b):
+        for start in self._starts(prompt):
             key = (parent, tuple(prompt[start:start + b]))
             block = self._blocks.get(key)
             if block is None:

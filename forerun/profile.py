@@ -195,13 +195,6 @@ def cached_curve(runtime: Runtime) -> LiveCurve | None:
     return runtime.curve
 
 
-def share_curve(runtime: Runtime, source: Runtime) -> None:
-    """A fork over the source's weights runs at its speed: give it its own LiveCurve over the
-    source's calibration, so that its first use measures nothing (the server's slots)."""
-    if source.curve is not None and runtime is not source:
-        runtime.curve = LiveCurve(source.curve.base)
-
-
 def calibrated_curve(runtime: Runtime, max_tokens: int) -> LiveCurve:
     """The runtime's curve up to `max_tokens`, measured at its first use and then kept in its
     `curve` slot, corrected by the passes the decode loop shows it since (`observe_pass`).

@@ -317,7 +317,7 @@ class LlamaCppRuntime:
         """One more sequence: a new context (KV cache) on the same loaded model."""
         twin = copy.copy(self)
         twin._open_context()
-        twin.curve = None  # its own, measured or shared (forerun.profile.share_curve)
+        twin.curve = None  # its own, measured at its first use
         return twin
 
     def greedy_many(self, prompts: list[list[int]], max_tokens: int, stop_ids,

@@ -353,7 +353,7 @@ class TorchRuntime:
         twin.k_cache, twin.v_cache = torch.zeros_like(self.k_cache), torch.zeros_like(self.v_cache)
         twin._length = 0
         twin._static = twin._new_static()  # graphs write this cache: the twin records its own
-        twin.curve = None  # its own, measured or shared (forerun.profile.share_curve)
+        twin.curve = None  # its own, measured at its first use
         return twin
 
     def limit_vocab(self, ids) -> None:
