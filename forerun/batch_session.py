@@ -55,7 +55,7 @@ class BatchSession:
     prefill_share: float = PREFILL_SHARE
     prefix_cache_bytes: int = 0  # prompt blocks' KV kept for later prompts (0: none)
     # reserve a prompt + GROW_TOKENS and grow while decoding (the youngest member preempted
-    # when memory runs out), not the worst case; only where the runtime can move a region
+    # when memory runs out), not the worst case; only where the runtime can grow one
     lazy: bool = False
     preempted: int = 0  # preemptions since start
     waiting: deque[Sequence] = field(default_factory=deque)
@@ -69,7 +69,7 @@ class BatchSession:
         self.target = self.engine.batch_view("target", self.kv_budget_bytes)
         self.prefix = (PrefixCache(self.prefix_cache_bytes) if self.prefix_cache_bytes
                        and self.target.capabilities.kv_copy else None)
-        self.lazy = self.lazy and self.target.capabilities.kv_copy
+        self.lazy = self.lazy and self.target.capabilities.kv_grow
 
     # --- members -----------------------------------------------------------------------------
 
@@ -120,6 +120,10 @@ class BatchSession:
         for seq in left:
             self._leave(seq)
         return left
+
+    def kv_bytes(self) -> int:
+        """KV-cache bytes the members hold now, the target's and the shared draft's."""
+        return self.target.kv_bytes() + (self._draft.runtime.kv_bytes() if self._draft else 0)
 
     @property
     def idle(self) -> bool:

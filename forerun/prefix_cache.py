@@ -4,7 +4,8 @@ begin the same way (a shared system prompt, a chat history sent again).
 Owns: `PrefixCache`, blocks of `block` tokens, each keyed by (its parent block, its tokens),
 so a block matches only after the very same prefix and the match is exact (no hash can
 collide), as vLLM's and SGLang's prefix caches chain their block hashes; each block holds a
-copy of its keys and values [L, Hkv, block, hd]. A byte budget bounds them, least recently used
+copy of its keys and values (whatever the runtime's `read_kv` returns: torch's K and V
+tensors, llama.cpp's saved cells). A byte budget bounds them, least recently used
 evicted first; a lookup touches a chain from its end to its root, so a parent is always used
 more recently than its children and goes last. Blocks are copied into a new member's region
 (`load`), not shared in place: reuse saves the prefill's compute, the time to first token, not
@@ -17,9 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
-from forerun.runtime.batch import BatchRuntime
+from forerun.runtime.batch import BatchRuntime, KVCopy
 
 BLOCK_TOKENS = 16  # as vLLM's default block size
 ROOT = 0  # the parent id of a prompt's first block
@@ -28,12 +27,11 @@ ROOT = 0  # the parent id of a prompt's first block
 @dataclass
 class Block:
     id: int
-    k: torch.Tensor  # [L, Hkv, block, hd]
-    v: torch.Tensor
+    kv: KVCopy  # what the runtime's read_kv gave: torch's K and V, llama.cpp's saved cells
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.kv.nbytes
 
 
 class PrefixCache:
@@ -78,10 +76,8 @@ class PrefixCache:
         if not keys:
             return 0
         self._touch(keys)
-        blocks = [self._blocks[key] for key in keys]
-        runtime.write_kv(seq, torch.cat([x.k for x in blocks], dim=2),  # [L, Hkv, n, hd]
-                         torch.cat([x.v for x in blocks], dim=2))
-        n = len(blocks) * self.block
+        runtime.write_kv(seq, [self._blocks[key].kv for key in keys])
+        n = len(keys) * self.block
         self.hits += n
         return n
 
@@ -92,10 +88,10 @@ class PrefixCache:
             key = (parent, tuple(prompt[start:start + b]))
             block = self._blocks.get(key)
             if block is None:
-                k, v = runtime.read_kv(seq, start, start + b)
-                if k.nbytes + v.nbytes > self.budget:
+                kv = runtime.read_kv(seq, start, start + b)
+                if kv.nbytes > self.budget:
                     break
-                block = Block(self._next_id, k, v)
+                block = Block(self._next_id, kv)
                 self._next_id += 1
                 self._blocks[key] = block
                 self.bytes += block.nbytes

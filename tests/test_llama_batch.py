@@ -214,6 +214,119 @@ def test_greedy_generate_batch_on_llama_cpp_equals_solo_plain(source, solo, tmp_
     assert all(len(t) for t in out)
 
 
+def test_grow_reserves_more_cells_or_refuses(solo):
+    rt = BatchLlamaRuntime(solo, 100, max_seqs=3)
+    a, b = rt.add(30), rt.add(30)
+    rt.grow(a, 60)
+    assert rt.reserved(a) == 60 and rt.kv_bytes() == 90 * kv_bytes_per_token(solo)
+    with pytest.raises(PoolFull, match="no room to grow"):
+        rt.grow(b, 41)
+    rt.grow(b, 20)  # never shrinks
+    assert rt.reserved(b) == 30 and rt.capabilities.kv_grow and rt.capabilities.kv_copy
+    rt.release(a)
+    rt.grow(b, 70)
+    assert rt.kv_bytes() == 70 * kv_bytes_per_token(solo)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_lazy_llama_cpp_batches_preempt_and_every_output_stays(source, solo, method,
+                                                               temperature, monkeypatch):
+    """Reservations that start at the prompt and grow overcommit the context's cells: the
+    youngest member is preempted and recomputed, and every member gets exactly what it gets
+    where the cells hold everyone's worst case (greedy and seeded sampling)."""
+    from forerun.batch_session import BatchSession
+    from forerun.sampling import SamplingConfig
+
+    monkeypatch.setattr("forerun.batch_session.GROW_TOKENS", 4)
+    engine = Engine.from_runtimes(solo, source.tokenizer)
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [10, 20, 30, 40, 50, 60], [7, 7, 8, 9],
+               [5, 4, 3, 2, 1, 5, 4, 3, 2], [33] * 9]
+    budgets = [40, 36, 44, 30, 40]
+    per_token = kv_bytes_per_token(solo)
+
+    def run(cells: int, lazy: bool):
+        session = BatchSession(engine, cells * per_token, lazy=lazy, max_batch_tokens=16)
+        seqs = [session.sequence(p, SamplingConfig(temperature=temperature, seed=i), n,
+                                 SpecConfig(method, 3))
+                for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))]
+        for seq in seqs:
+            session.add(seq)
+        while not session.idle:
+            session.step()
+        assert all(seq.error is None for seq in seqs), [seq.error for seq in seqs]
+        return [[t for st in seq.steps for t in st.tokens] for seq in seqs], session
+
+    roomy, _ = run(4096, lazy=False)
+    tight, session = run(150, lazy=True)  # ~2.5 members' worst case
+    assert session.lazy and session.preempted > 0
+    assert tight == roomy
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_llama_cpp_prefix_cache_feeds_a_repeated_prefix_once_and_outputs_stay(source, solo,
+                                                                              method, chunk):
+    """Saved cells restored into a later member equal, to the bit, what its prefill would
+    write: its tokens (greedy and seeded sampling) are those of the same prompt without the
+    cache, and only the prompt's tail is fed."""
+    from forerun.batch_session import BatchSession
+    from forerun.prefix_cache import BLOCK_TOKENS
+    from forerun.sampling import SamplingConfig
+
+    engine = Engine.from_runtimes(solo, source.tokenizer)
+    system = [(i * 11) % 47 + 2 for i in range(3 * BLOCK_TOKENS + 5)]
+    prompts = [[*system, 3, 4, 5], [*system, 9, 8, 7, 6], [*system, 9, 8, 7, 6]]
+    budget = 4096 * kv_bytes_per_token(solo)
+
+    def run(prefix_bytes: int):
+        session = BatchSession(engine, budget, max_batch_tokens=chunk,
+                               prefix_cache_bytes=prefix_bytes)
+        out, fed, rows, forward = [], [], [], session.target.forward
+
+        def counted(batch, *args, **kw):
+            rows.append(len(batch.tokens))
+            return forward(batch, *args, **kw)
+
+        session.target.forward = counted
+        for i, p in enumerate(prompts):
+            rows.clear()
+            seq = session.sequence(p, SamplingConfig(temperature=0.8 * (i == 2), seed=i), 12,
+                                   SpecConfig(method, 3))
+            session.add(seq)
+            while not seq.steps:
+                session.step()
+            fed.append(sum(rows))
+            while not session.idle:
+                session.step()
+            assert seq.error is None, seq.error
+            out.append([t for st in seq.steps for t in st.tokens])
+        return out, fed, session
+
+    plain, _, _ = run(0)
+    cached, fed, session = run(budget)
+    assert cached == plain
+    assert session.prefix is not None and session.prefix.hits == 2 * 3 * BLOCK_TOKENS
+    assert fed[0] == len(prompts[0]) and fed[1] == fed[2] == len(prompts[1]) - 3 * BLOCK_TOKENS
+
+
+def test_saved_cells_restore_to_the_same_logits(solo):
+    rt = BatchLlamaRuntime(solo, 512, max_seqs=3)
+    prompt = _prompt(3, 40)
+    a = rt.add(60)
+    rt.forward(PackedBatch.of([(a, prompt)], last_only=True))
+    blocks = [rt.read_kv(a, 0, 16), rt.read_kv(a, 16, 32)]
+    b = rt.add(60)
+    rt.write_kv(b, blocks)
+    assert rt.length(b) == 32 and blocks[0].nbytes > 0
+    fed = rt.forward(PackedBatch.of([(b, prompt[32:])], last_only=True)).logits
+    c = rt.add(60)
+    fresh = rt.forward(PackedBatch.of([(c, prompt)], last_only=True)).logits
+    assert torch.equal(fed, fresh)
+    with pytest.raises(ValueError, match="empty member"):
+        rt.write_kv(b, blocks)
+
+
 @real
 def test_greedy_generate_batch_on_smollm2_llama_cpp_equals_solo_plain():
     smol = open_model(SMOL)

@@ -16,6 +16,7 @@ from test_batch_engine import BUDGET, _batch_runtime, _engine, _solo
 from forerun.batch_session import BatchSession
 from forerun.prefix_cache import BLOCK_TOKENS, PrefixCache
 from forerun.propose import SpecConfig
+from forerun.runtime.batch import KVCopy
 from forerun.sampling import SamplingConfig
 
 SYSTEM = [(i * 11) % 47 + 2 for i in range(3 * BLOCK_TOKENS + 5)]  # a shared "system prompt"
@@ -67,8 +68,8 @@ def test_a_block_matches_only_after_the_same_prefix():
     cache = PrefixCache(BUDGET)
     a = list(range(1, 2 * BLOCK_TOKENS + 2))
     seq = rt.add(len(a) + 4)
-    rt.write_kv(seq, *(torch.randn(x.shape[0], x.shape[1], len(a), x.shape[3],
-                                   dtype=x.dtype) for x in (rt.pool.k, rt.pool.v)))
+    rt.write_kv(seq, [KVCopy(*(torch.randn(x.shape[0], x.shape[1], len(a), x.shape[3],
+                                           dtype=x.dtype) for x in (rt.pool.k, rt.pool.v)))])
     cache.store(rt, seq, a)
     assert len(cache) == 2
     other = rt.add(len(a) + 4)
@@ -77,8 +78,8 @@ def test_a_block_matches_only_after_the_same_prefix():
     assert cache.load(rt, other, b) == 0
     # the whole of a: both blocks, but never its last token
     assert cache.load(rt, other, a) == 2 * BLOCK_TOKENS
-    assert torch.equal(rt.read_kv(other, 0, 2 * BLOCK_TOKENS)[0],
-                       rt.read_kv(seq, 0, 2 * BLOCK_TOKENS)[0])
+    assert torch.equal(rt.read_kv(other, 0, 2 * BLOCK_TOKENS).k,
+                       rt.read_kv(seq, 0, 2 * BLOCK_TOKENS).k)
     # exactly two blocks long: its last token is fed, so only the first block comes back
     rt.truncate(other, 0)
     assert cache.load(rt, other, a[:2 * BLOCK_TOKENS]) == BLOCK_TOKENS
@@ -91,8 +92,8 @@ def test_the_budget_holds_and_the_least_recently_used_go_first():
     prompts = [[p] * (2 * BLOCK_TOKENS + 1) for p in (1, 2, 3)]
     for p in prompts:
         seq = rt.add(len(p))
-        rt.write_kv(seq, *(torch.zeros(x.shape[0], x.shape[1], len(p), x.shape[3],
-                                       dtype=x.dtype) for x in (rt.pool.k, rt.pool.v)))
+        rt.write_kv(seq, [KVCopy(*(torch.zeros(x.shape[0], x.shape[1], len(p), x.shape[3],
+                                               dtype=x.dtype) for x in (rt.pool.k, rt.pool.v)))])
         cache.store(rt, seq, p)
         rt.release(seq)
         assert cache.bytes <= cache.budget

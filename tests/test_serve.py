@@ -624,6 +624,27 @@ def test_client_leaving_mid_stream_frees_its_slot_at_once(slow_server):
     assert metric(slow_server, "forerun_generation_tokens_total") - tokens < 100
 
 
+def test_clients_leaving_at_once_free_every_cache(slow_server):
+    # 2 running + 1 queued, all gone at once: every request is cancelled and the KV memory
+    # in use returns to its idle level
+    wait_idle(slow_server)
+    idle = metric(slow_server, "forerun_kv_cache_bytes_in_use")
+    cancelled = metric(slow_server, "forerun_sequences_finished_total", reason="cancelled")
+    with httpx.Client(base_url=slow_server, timeout=60) as http:
+        streams = [open_stream(http, 100, prompt) for prompt in PROMPTS[:3]]
+        lines = [s.__enter__().iter_lines() for s in streams]
+        wait_until(lambda: health(slow_server)["running"] == 2)
+        for first in lines[:2]:
+            assert next(line for line in first if line.startswith("data: {"))
+        # (this runtime forks one cache per member, outside the pool the gauge reads)
+        for s in streams:
+            s.__exit__(None, None, None)
+    wait_idle(slow_server)
+    assert metric(slow_server, "forerun_kv_cache_bytes_in_use") == idle == 0
+    assert metric(slow_server, "forerun_sequences_finished_total",
+                  reason="cancelled") == cancelled + 3
+
+
 def test_client_leaving_a_non_streaming_request_frees_its_slot(slow_server, reference):
     # greedy, no speculation, and a prompt whose greedy text runs long (float64: the same on
     # every machine): the request lasts >= 60 forward passes (1.2 s), well past the timeout

@@ -1,7 +1,8 @@
 """`forerun bench serve`: starting and stopping the servers it measures, and its outputs.
 
 Owns: its flags, starting a `forerun serve` per --spec-policies on a free loopback port (the
-bench's model flags, the first of --methods and --ks), waiting for it, stopping it by its PID,
+bench's model flags, the first of --methods and --ks) and each peer of --serve-peers
+(`forerun.bench.serve_peers`), one at a time, each stopped by its PID before the next starts,
 and taking any other OpenAI-compatible server by --base-url; then every configuration at every
 C of --concurrency (`forerun.bench.serving`), and the outputs: a table on stdout,
 serve_bench.json and serve_bench.png in --out, one JSON summary as the last stdout line.
@@ -10,19 +11,24 @@ serve_bench.json and serve_bench.png in --out, one JSON summary as the last stdo
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 
 from forerun.bench import serving
+from forerun.bench.serve_peers import (
+    DEFAULT_PEER_CACHE,
+    SERVE_PEERS,
+    PeerServer,
+    free_port,
+    peer_servers,
+    start,
+    stop,
+)
 from forerun.bench.workloads import BUILTIN, sample_workloads
+from forerun.models.load import open_model
 
-START_TIMEOUT_S = 1800  # loading and calibrating bf16 weights on 2 cores takes minutes
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32"
 
 
@@ -32,6 +38,9 @@ def add_serve_args(b) -> None:
                    help="comma-separated numbers of concurrent streaming clients")
     g.add_argument("--requests-per-client", type=int, default=2,
                    help="chat requests each client sends in turn, per level")
+    g.add_argument("--multi-turn", action="store_true",
+                   help="each client's requests are the turns of one chat, each sent with the "
+                        "whole history before it (prefix caching's case: TTFT turn>1)")
     g.add_argument("--spec-policies", default="adaptive,off",
                    help="start forerun serve once per policy (adaptive, always, off), with "
                         "the first of --methods and --ks; empty = start none")
@@ -45,12 +54,15 @@ def add_serve_args(b) -> None:
                    help="an extra argument for the forerun servers it starts (repeatable), "
                         "e.g. --server-arg=--kv-cache-gb=4")
     g.add_argument("--api-key", default=None, help="sent as a Bearer token to --base-url")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    g.add_argument("--serve-peers", default="", metavar="NAMES",
+                   help=f"comma-separated peer servers to start and measure too: "
+                        f"{', '.join(SERVE_PEERS)} (-draft: with the draft model, k = the first "
+                        "of --ks); installed apart from forerun, found through "
+                        "FORERUN_VLLM_PYTHON and FORERUN_LLAMA_SERVER "
+                        "(docs/results/peers-setup.md); one not installed is skipped")
+    g.add_argument("--peer-cache", default=DEFAULT_PEER_CACHE, metavar="DIR",
+                   help="where the bf16 Hugging Face folders vLLM needs are made from the GGUFs "
+                        "(once; minutes) unless --vllm-model / --vllm-draft name them")
 
 
 def _model_flags(args) -> list[str]:
@@ -64,40 +76,32 @@ def _model_flags(args) -> list[str]:
     return flags
 
 
-def start_forerun(args, policy: str, clients: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """A forerun server for `policy`, healthy -> (its process, its /v1 URL)."""
-    port = free_port()
+def forerun_server(args, policy: str, clients: int, port: int) -> PeerServer:
+    """`forerun serve` for `policy` on `port`, the bench's model flags, the first of --methods
+    and --ks, room for `clients` in flight and their queued requests."""
     method, k = args.methods.split(",")[0], args.ks.split(",")[0]
-    cmd = [sys.executable, "-m", "forerun.cli", "serve", *_model_flags(args), "--method",
-           method, "-k", k, "--spec-policy", policy, "--port", str(port), "--max-concurrent",
-           str(clients), "--max-queue", str(clients * args.requests_per_client),
-           "--max-tokens-limit", str(max(args.max_tokens, 1)), "--log-level", "warning",
-           *args.server_arg]
-    out = log.open("w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"forerun serve ({policy}) exited {proc.returncode} before it "
-                               f"was healthy; its log: {log}\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return proc, f"{base}/v1"
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError(f"forerun serve ({policy}) not healthy after {START_TIMEOUT_S} s: {log}")
+    return PeerServer(f"forerun {policy}", (
+        sys.executable, "-m", "forerun.cli", "serve", *_model_flags(args), "--method", method,
+        "-k", k, "--spec-policy", policy, "--port", str(port), "--max-concurrent", str(clients),
+        "--max-queue", str(clients * args.requests_per_client), "--max-tokens-limit",
+        str(max(args.max_tokens, 1)), "--log-level", "warning", *args.server_arg))
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def _peers(args, slots: int) -> tuple[list, list[str]]:
+    """--serve-peers -> ([(key, port -> PeerServer)], notes on those skipped)."""
+    names = [n.strip() for n in args.serve_peers.split(",") if n.strip()]
+    if not names:
+        return [], []
+    target = open_model(args.target).path
+    if target.suffix != ".gguf":
+        return [], [f"--serve-peers skipped: the peers start from a GGUF target, not {target}"]
+    draft = open_model(args.draft).path if args.draft else None
+    return peer_servers(
+        names, target_gguf=target, draft_gguf=draft if draft and draft.suffix == ".gguf" else None,
+        k=int(args.ks.split(",")[0]), slots=slots, context=args.context,
+        cache=Path(args.peer_cache).expanduser(),
+        vllm_model=Path(args.vllm_model) if args.vllm_model else None,
+        vllm_draft=Path(args.vllm_draft) if args.vllm_draft else None)
 
 
 def _named(values: list[str], what: str) -> list[tuple[str, str]]:
@@ -121,8 +125,8 @@ def run(args, out: Path, meta: dict) -> int:
     policies = [p for p in args.spec_policies.split(",") if p.strip()]
     urls = _named(args.base_url, "url")
     pids = {n: int(p) for n, p in _named(args.server_pid, "pid")}
-    if not policies and not urls:
-        raise ValueError("nothing to measure: give --spec-policies or --base-url")
+    if not policies and not urls and not args.serve_peers:
+        raise ValueError("nothing to measure: give --spec-policies, --serve-peers or --base-url")
     prompts = [list(p.messages) for p in sample_workloads(args.workload or list(BUILTIN),
                                                           args.limit or None, args.seed)]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -136,18 +140,26 @@ def run(args, out: Path, meta: dict) -> int:
             for c in levels:
                 with err.status(f"{name}: {c} clients"):
                     results, wall = serving.level(url, head, model, prompts, c,
-                                                  args.requests_per_client, args.max_tokens)
+                                                  args.requests_per_client, args.max_tokens,
+                                                  multi_turn=args.multi_turn)
                 rows.append(serving.summarize(name, c, results, wall, sampler.take()))
                 err.print(f"  {name} x{c}: {rows[-1]['total_tok_s']:.1f} tok/s total, "
                           f"{rows[-1]['errors']} errors", highlight=False)
         finally:
             sampler.close()
 
-    for policy in policies:
-        with err.status(f"starting forerun serve --spec-policy {policy}"):
-            proc, url = start_forerun(args, policy, max(levels), out / f"serve-{policy}.log")
+    servers = [(f"forerun-{p}", lambda port, p=p: forerun_server(args, p, max(levels), port))
+               for p in policies]
+    peers, notes = _peers(args, max(levels))
+    for note in notes:
+        err.print(note, highlight=False)
+    for key, make in servers + peers:
+        port = free_port()
+        server = make(port)
+        with err.status(f"starting {server.name} (minutes for a peer's first start)"):
+            proc, url = start(server, port, out / f"serve-{key}.log")
         try:
-            measure(f"forerun {policy}", url, proc.pid, {})
+            measure(server.name, url, proc.pid, {})
         finally:
             stop(proc)
     for name, url in urls:
@@ -155,8 +167,9 @@ def run(args, out: Path, meta: dict) -> int:
     print(serving.table(rows))
     report = meta | {"max_tokens": args.max_tokens, "prompts": len(prompts),
                      "requests_per_client": args.requests_per_client,
+                     "multi_turn": args.multi_turn,
                      "method": args.methods.split(",")[0], "k": int(args.ks.split(",")[0]),
-                     "rows": rows}
+                     "skipped": notes, "rows": rows}
     (out / "serve_bench.json").write_text(json.dumps(report, indent=2))
     serving.plot(rows, out / "serve_bench.png",
                  f"{Path(args.target).name}: {args.max_tokens} tokens per request")

@@ -33,6 +33,8 @@ class Result:
     tokens: int
     gaps: list[float] = field(default_factory=list)  # per-token inter-token latencies
     error: str | None = None
+    text: str = ""
+    turn: int = 0  # its place in its client's conversation (--multi-turn), else 0
 
 
 async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
@@ -41,7 +43,7 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
             "stream": True, "stream_options": {"include_usage": True}} | extra
     start = time.perf_counter()
     first = last = None
-    seen, gaps, usage = 0, [], 0
+    seen, gaps, usage, parts = 0, [], 0, []
     async with http.stream("POST", "/chat/completions", json=body) as r:
         if r.status_code != 200:
             text = (await r.aread()).decode(errors="replace")[:200]
@@ -59,6 +61,7 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
             choice, now = chunk["choices"][0], time.perf_counter()
             stats = choice.get("speculation") or {}
             content = (choice.get("delta") or {}).get("content")
+            parts.append(content or "")
             tokens = stats.get("new_tokens", seen + (1 if content else 0))
             if tokens > seen:
                 if first is None:
@@ -67,15 +70,22 @@ async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
                     gaps += [(now - last) / (tokens - seen)] * (tokens - seen)
                 last, seen = now, tokens
     end = time.perf_counter()
-    return Result((first or end) - start, end - start, usage or seen, gaps)
+    return Result((first or end) - start, end - start, usage or seen, gaps, text="".join(parts))
 
 
 async def _level(base_url: str, headers: dict, model: str, prompts: list[list[dict]],
-                 clients: int, requests: int, max_tokens: int, extra: dict
+                 clients: int, requests: int, max_tokens: int, extra: dict, multi_turn: bool
                  ) -> tuple[list[Result], float]:
     async def client(i: int) -> list[Result]:
-        return [await one_request(http, model, prompts[(i * requests + j) % len(prompts)],
-                                  max_tokens, extra) for j in range(requests)]
+        results, history = [], []
+        for j in range(requests):
+            turn = prompts[(i * requests + j) % len(prompts)]
+            messages = history + turn if multi_turn else turn
+            r = await one_request(http, model, messages, max_tokens, extra)
+            results.append(r)
+            if multi_turn:  # the next turn resends this whole conversation, as chat clients do
+                r.turn, history = j, [*messages, {"role": "assistant", "content": r.text}]
+        return results
 
     limits = httpx.Limits(max_connections=clients + 1)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None,
@@ -86,11 +96,13 @@ async def _level(base_url: str, headers: dict, model: str, prompts: list[list[di
 
 
 def level(base_url: str, headers: dict, model: str, prompts: list[list[dict]], clients: int,
-          requests: int, max_tokens: int, extra: dict | None = None
+          requests: int, max_tokens: int, extra: dict | None = None, multi_turn: bool = False
           ) -> tuple[list[Result], float]:
-    """C = `clients` concurrent clients, each `requests` requests -> results, wall seconds."""
+    """C = `clients` concurrent clients, each `requests` requests -> results, wall seconds.
+    `multi_turn`: each client's requests are the turns of one conversation, every turn sent
+    with the whole history before it (its earlier prompts and the replies it got)."""
     return asyncio.run(_level(base_url.rstrip("/"), headers, model, prompts, clients, requests,
-                              max_tokens, extra or {}))
+                              max_tokens, extra or {}, multi_turn))
 
 
 def served_model(base_url: str, headers: dict) -> str:
@@ -157,12 +169,15 @@ def summarize(config: str, clients: int, results: list[Result], wall: float,
     ok = [r for r in results if r.error is None]
     gaps = [g for r in ok for g in r.gaps]
     tokens = sum(r.tokens for r in ok)
+    later = [r.ttft_s for r in ok if r.turn > 0]
     return {"config": config, "concurrency": clients, "requests": len(results),
             "errors": len(results) - len(ok), "tokens": tokens, "wall_s": wall,
             "total_tok_s": tokens / wall if wall else 0.0,
             "request_tok_s": statistics.median(r.tokens / r.seconds for r in ok) if ok else 0.0,
             "ttft_p50_s": pct([r.ttft_s for r in ok], 50),
             "ttft_p99_s": pct([r.ttft_s for r in ok], 99),
+            # later turns of a conversation (--multi-turn): a history the server saw before
+            "ttft_later_turns_p50_s": pct(later, 50) if later else None,
             "itl_p50_ms": pct(gaps, 50) * 1000, "itl_p99_ms": pct(gaps, 99) * 1000,
             "peak_rss_gb": rss_gb,
             "first_error": next((r.error for r in results if r.error), None)}
@@ -171,8 +186,10 @@ def summarize(config: str, clients: int, results: list[Result], wall: float,
 COLUMNS = [("config", "config", "{}"), ("C", "concurrency", "{}"), ("reqs", "requests", "{}"),
            ("err", "errors", "{}"), ("total tok/s", "total_tok_s", "{:.1f}"),
            ("req tok/s", "request_tok_s", "{:.1f}"), ("TTFT p50 s", "ttft_p50_s", "{:.2f}"),
-           ("TTFT p99 s", "ttft_p99_s", "{:.2f}"), ("ITL p50 ms", "itl_p50_ms", "{:.0f}"),
-           ("ITL p99 ms", "itl_p99_ms", "{:.0f}"), ("RSS GB", "peak_rss_gb", "{:.1f}")]
+           ("TTFT p99 s", "ttft_p99_s", "{:.2f}"),
+           ("TTFT turn>1 s", "ttft_later_turns_p50_s", "{:.2f}"),
+           ("ITL p50 ms", "itl_p50_ms", "{:.0f}"), ("ITL p99 ms", "itl_p99_ms", "{:.0f}"),
+           ("RSS GB", "peak_rss_gb", "{:.1f}")]
 
 
 def table(rows: list[dict]) -> str:

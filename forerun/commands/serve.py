@@ -80,13 +80,11 @@ def add_parser(sub) -> None:
                    help="grow: a request reserves its prompt and a little more and grows as "
                         "it decodes; when memory runs out the youngest is preempted and "
                         "recomputed later (its output unchanged). worst: each reserves its "
-                        "prompt + max_tokens up front, never preempted (llama.cpp runtime: "
-                        "always worst)")
+                        "prompt + max_tokens up front, never preempted")
     g.add_argument("--prefix-cache-gb", type=float, default=None, metavar="GB",
                    help="KV of prompt blocks kept for later prompts that begin the same way (a "
                         "system prompt, a chat history sent again): they skip that part of "
-                        "the prefill. Unset = a quarter of the KV cache; 0 = off (llama.cpp "
-                        "runtime: always off)")
+                        "the prefill. Unset = a quarter of the KV cache; 0 = off")
     g.add_argument("--max-batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
                    help="rows of one target pass: decodes first, prompts in chunks with what "
                         "is left (at least a quarter of it), so a long prompt never stalls the "

@@ -68,8 +68,10 @@ class Capabilities:
     max_batch: int = 0  # batched runtimes: most sequences in one pass (0 = as many as fit)
     greedy_many: bool = False  # greedy_many(prompts, ...) decodes many prompts at once
     curve_on_disk: bool = False  # calibration_key() names its forward-time curve on disk
-    kv_copy: bool = False  # batched runtimes: read_kv / write_kv copy a member's cached K/V,
-    # grow moves it to a larger region (prefix caching, regions that grow as they decode)
+    kv_copy: bool = False  # batched runtimes: read_kv / write_kv copy a member's cached K/V
+    # (prefix caching)
+    kv_grow: bool = False  # batched runtimes: grow raises a member's reservation as it decodes
+    # (regions that start at the prompt; preemption when memory runs out)
 
     def exposes(self, layers: Collection[int]) -> bool:
         """Whether a forward can return the hidden states of these layers (-1 = final)."""

@@ -121,6 +121,10 @@ class BatchRuntime(Protocol):
         new high-water mark after reading this one)."""
         ...
 
+    def kv_bytes(self) -> int:
+        """KV-cache bytes reserved now (by the sequences held)."""
+        ...
+
     def forward(self, batch: PackedBatch, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """One pass over every member -> logits [R, V] of batch.logit_rows (every row when
         None), on the runtime's device (the step takes one argmax there and copies a sampled
@@ -136,6 +140,22 @@ class Region:
 
 
 SPARE_SLOTS = 1  # past the S regions' slots: where a static pass's padded rows write
+
+
+@dataclass(frozen=True)
+class KVCopy:
+    """Copies of some of a member's cached slots: keys and values [L, Hkv, n, hd] each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
 
 
 class CachePool:
@@ -252,7 +272,8 @@ class BatchTorchRuntime:
         graphs = static and runtime.device.type == "cuda"
         self._static = BatchStaticPasses(self, graphs) if static else None
         self.capabilities = Capabilities(hidden_layers=True, final_hidden=True,
-                                         static_passes=static, cuda_graphs=graphs, kv_copy=True)
+                                         static_passes=static, cuda_graphs=graphs, kv_copy=True,
+                                         kv_grow=True)
 
     # --- sequences ------------------------------------------------------------------------
 
@@ -292,6 +313,9 @@ class BatchTorchRuntime:
             self.pool.v[:, :, dst] = self.pool.v[:, :, src]
         r.length = base + len(rows)
 
+    def kv_bytes(self) -> int:
+        return (self.pool.slots - self.pool.free_slots) * self.pool.bytes_per_token
+
     def kv_peak_bytes(self, reset: bool = False) -> int:
         peak = self.pool.peak_slots * self.pool.bytes_per_token
         if reset:
@@ -304,18 +328,21 @@ class BatchTorchRuntime:
             raise ValueError(f"cannot truncate a cache of {r.length} tokens to {length}")
         r.length = length
 
-    def read_kv(self, seq: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the member's cached keys and values of slots start..stop, each
-        [L, Hkv, stop - start, hd] (a prefix cache keeps them)."""
+    def read_kv(self, seq: int, start: int, stop: int) -> KVCopy:
+        """Copies of the member's cached keys and values of slots start..stop (a prefix cache
+        keeps them)."""
         r = self.pool.region(seq)
         if not 0 <= start <= stop <= r.length:
             raise ValueError(f"slots {start}..{stop} are not cached ({r.length} are)")
         at = slice(r.start + start, r.start + stop)
-        return self.pool.k[:, :, at].clone(), self.pool.v[:, :, at].clone()
+        return KVCopy(self.pool.k[:, :, at].clone(), self.pool.v[:, :, at].clone())
 
-    def write_kv(self, seq: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Make k, v ([L, Hkv, n, hd]) the member's first n cached slots (it caches n)."""
-        r, n = self.pool.region(seq), k.shape[2]
+    def write_kv(self, seq: int, blocks: list[KVCopy]) -> None:
+        """Make the blocks, in order, the member's first cached slots (it caches them all)."""
+        r = self.pool.region(seq)
+        k = torch.cat([b.k for b in blocks], dim=2)  # [L, Hkv, n, hd]
+        v = torch.cat([b.v for b in blocks], dim=2)
+        n = k.shape[2]
         if n > r.size:
             raise ValueError(f"{n} slots do not fit a region of {r.size}")
         self.pool.k[:, :, r.start:r.start + n] = k

@@ -61,6 +61,9 @@ class ForkedBatch:
     def kv_peak_bytes(self, reset: bool = False) -> int:
         return 0  # each fork's own cache, sized by its context
 
+    def kv_bytes(self) -> int:
+        return 0
+
     def forward(self, batch: PackedBatch, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """Each member's rows through its own fork -> the wanted rows' logits [R, V] in the
         batch's order, and hidden states layer -> [N, D]."""

@@ -73,6 +73,19 @@ class _Sequence:
     length: int = 0
 
 
+@dataclass(frozen=True)
+class SavedCells:
+    """Some of a member's cached slots as llama.cpp saves a sequence's cells (positions and
+    f16 K and V), for a prefix cache."""
+
+    data: np.ndarray  # [bytes] uint8
+    tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
 @dataclass
 class _Tree:
     """A member's unresolved tree pass: its leaf j is sequence ids[j] (ids[0] the member)."""
@@ -98,7 +111,8 @@ class BatchLlamaRuntime:
         self.capacity = min(runtime.capacity, runtime.config.context_length, cells)
         self.capabilities = Capabilities(hidden_layers=False, reduced_vocab=False,
                                          cuda_graphs=False, tree_masks=True,
-                                         hidden_costs_logits=True, max_batch=max_seqs)
+                                         hidden_costs_logits=True, max_batch=max_seqs,
+                                         kv_grow=True, kv_copy=True)
         self.garbage = max_seqs
         self._ctx = copy.copy(runtime)  # the same weights, a context of its own
         self._ctx._capacity = cells
@@ -146,11 +160,31 @@ class BatchLlamaRuntime:
         self._free_ids.append(seq)
         self._free_ids.sort(reverse=True)
 
+    def grow(self, seq: int, tokens: int) -> None:
+        """Let a member cache up to `tokens` tokens: more of the context's cells reserved for it
+        (cells are appended wherever they are free, so nothing moves); PoolFull when the cells
+        are taken."""
+        if tokens > self.capacity:
+            raise ValueError(f"a sequence of {tokens} tokens exceeds the context "
+                             f"{self.capacity}")
+        s = self._seqs[seq]
+        more = tokens - s.reserved
+        if more <= 0:
+            return
+        if self._taken + more > self.cells:
+            raise PoolFull(f"no room to grow a sequence to {tokens} tokens "
+                           f"({self.cells - self._taken} of {self.cells} cells free)")
+        s.reserved, self._taken = tokens, self._taken + more
+        self._peak = max(self._peak, self._taken)
+
     def length(self, seq: int) -> int:
         return self._seqs[seq].length
 
     def reserved(self, seq: int) -> int:
         return self._seqs[seq].reserved
+
+    def kv_bytes(self) -> int:
+        return self._taken * kv_bytes_per_token(self.single)
 
     def kv_peak_bytes(self, reset: bool = False) -> int:
         peak = self._peak * kv_bytes_per_token(self.single)
@@ -340,24 +374,78 @@ class BatchLlamaRuntime:
         the cache cleared, and each written back into contiguous cells."""
         if self._trees:
             raise RuntimeError("cannot collect the KV cache with a tree pass unresolved")
-        saved = []
-        for seq, s in self._seqs.items():
-            if s.length:
-                size = C.llama_state_seq_get_size(self._ctx._ctx, seq)
-                buf = np.empty(size, dtype=np.uint8)
-                ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-                saved.append((seq, buf, C.llama_state_seq_get_data(self._ctx._ctx, ptr, size,
-                                                                    seq)))
+        saved = [(seq, self._save(seq)) for seq, s in self._seqs.items() if s.length]
         C.llama_memory_clear(self._memory, False)
         self._top = 0
         self.collections += 1
-        for seq, buf, written in saved:
-            ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-            if not written or C.llama_state_seq_set_data(self._ctx._ctx, ptr, written,
-                                                         seq) != written:
+        for seq, data in saved:
+            if not self._restore(data, seq):
                 C.llama_memory_clear(self._memory, False)
                 for s in self._seqs.values():
                     s.length = 0
                 raise RuntimeError(f"llama.cpp could not rewrite the KV cache (every sequence "
                                    f"emptied: prefill again){_llama_errors()}")
             self._top += self._seqs[seq].length
+
+    def _save(self, seq: int) -> np.ndarray:
+        """The sequence's cells as llama.cpp serialises them (positions, K, V) [bytes] uint8."""
+        size = C.llama_state_seq_get_size(self._ctx._ctx, seq)
+        buf = np.empty(size, dtype=np.uint8)
+        written = C.llama_state_seq_get_data(
+            self._ctx._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq)
+        return buf[:written]
+
+    def _restore(self, data: np.ndarray, seq: int) -> bool:
+        """Write saved cells into new cells of (empty) sequence `seq` -> whether it worked."""
+        ptr = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        return bool(data.size) and C.llama_state_seq_set_data(
+            self._ctx._ctx, ptr, data.size, seq) == data.size
+
+    # --- prefix caching -------------------------------------------------------------------
+
+    def read_kv(self, seq: int, start: int, stop: int) -> SavedCells:
+        """The member's cached slots start..stop, saved (a prefix cache keeps them): they are
+        lent to a scratch sequence (`seq_cp` shares cells, copies nothing) and serialised."""
+        s = self._seqs[seq]
+        if not 0 <= start < stop <= s.length:
+            raise ValueError(f"slots {start}..{stop} are not cached ({s.length} are)")
+        tmp = self._scratch()
+        try:
+            C.llama_memory_seq_cp(self._memory, seq, tmp, start, stop)
+            return SavedCells(self._save(tmp), stop - start)
+        finally:
+            C.llama_memory_seq_rm(self._memory, tmp, ALL, ALL)  # frees nothing: shared cells
+            self._free_scratch.append(tmp)
+
+    def write_kv(self, seq: int, blocks: list[SavedCells]) -> None:
+        """Make the saved blocks, in order, the (empty) member's first cached slots: each is
+        restored into new cells on top of the cache, so its cells still ascend by position,
+        then handed to the member. Their K and V are the bytes a prefill would write."""
+        s, n = self._seqs[seq], sum(b.tokens for b in blocks)
+        if s.length or n > s.reserved:
+            raise ValueError(f"{n} saved slots need an empty member reserving them "
+                             f"({s.length} cached, {s.reserved} reserved)")
+        if self._top + n > self.cells:
+            self._collect()
+        tmp = self._scratch()
+        try:
+            for b in blocks:
+                if not self._restore(b.data, tmp):
+                    raise RuntimeError(f"llama.cpp could not restore saved cells"
+                                       f"{_llama_errors()}")
+                C.llama_memory_seq_cp(self._memory, tmp, seq, ALL, ALL)
+                C.llama_memory_seq_rm(self._memory, tmp, ALL, ALL)
+                self._top += b.tokens
+                s.length += b.tokens
+        except RuntimeError:
+            self._discard(seq, 0)
+            s.length = 0
+            raise
+        finally:
+            C.llama_memory_seq_rm(self._memory, tmp, ALL, ALL)
+            self._free_scratch.append(tmp)
+
+    def _scratch(self) -> int:
+        if not self._free_scratch:
+            raise RuntimeError("no scratch sequence free (a tree pass holds them all)")
+        return self._free_scratch.pop()

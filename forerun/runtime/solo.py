@@ -59,6 +59,9 @@ class SoloBatch:
     def kv_peak_bytes(self, reset: bool = False) -> int:
         return 0  # the runtime's own cache, sized by its context, not a pool's budget
 
+    def kv_bytes(self) -> int:
+        return 0
+
     def forward(self, batch: PackedBatch, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """-> logits [R, V] of batch.logit_rows (a prefill's last row, or every row), hidden
         states layer -> [N, D] of every row."""

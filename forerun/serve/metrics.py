@@ -127,6 +127,11 @@ class ServerMetrics:
             self.passes.labels("off" if not drafted else "reduced" if drafted < wanted
                                else "full").inc()
 
+    def watch_kv(self, held) -> None:
+        """A gauge of the KV-cache bytes the running requests hold, read off `held()`."""
+        Gauge("forerun_kv_cache_bytes_in_use", "KV cache memory the running requests hold "
+              "(target and draft)", registry=self.registry).set_function(held)
+
     def watch_prefix_cache(self, cache) -> None:
         """Gauges read off the batch's PrefixCache (None: no prefix cache, they read 0)."""
         r = self.registry

@@ -220,6 +220,7 @@ class Worker:
         self.metrics.kv_budget.set(kv_cache_bytes)
         self.metrics.spec_policy.state(spec_policy)
         self.metrics.watch_prefix_cache(self.session.prefix)
+        self.metrics.watch_kv(self.session.kv_bytes)
         self.metrics.set_mode(self.mode)
         self._thread = threading.Thread(target=self._loop, name="forerun-worker", daemon=True)
 
