@@ -118,6 +118,9 @@ def test_the_kv_budget_admits_what_fits_and_the_rest_waits(model_dirs, reference
     assert set(pass_sizes(worker)) == {1}  # one at a time: each waited for the memory
     assert isinstance(out.end(3), Failed) and "KV cache budget" in out.end(3).message
     assert worker.session.target.pool.free_slots == worker.session.target.pool.slots
+    # the KV-in-use gauge reads the pool: it held a request's KV, and nothing once all ended
+    assert worker.session.target.kv_peak_bytes() >= per_token * prompt_len
+    assert worker.metrics.registry.get_sample_value("forerun_kv_cache_bytes_in_use") == 0
 
 
 class FailingNgram:
