@@ -132,6 +132,17 @@ def test_only_members_running_the_draft_model_pay_its_rounds():
         [0.8, 0.8], [6, 6])
 
 
+def drain(session: BatchSession, seqs: list) -> tuple[list[list[int]], BatchSession]:
+    """Add `seqs`, step the session until idle -> (each one's tokens, the session); none
+    failed."""
+    for seq in seqs:
+        session.add(seq)
+    while not session.idle:
+        session.step()
+    assert all(seq.error is None for seq in seqs), [seq.error for seq in seqs]
+    return [[t for st in seq.steps for t in st.tokens] for seq in seqs], session
+
+
 @pytest.mark.parametrize("method", ["none", "ngram"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_lazy_regions_preempt_the_youngest_and_every_output_stays(method, temperature,
@@ -147,14 +158,8 @@ def test_lazy_regions_preempt_the_youngest_and_every_output_stays(method, temper
 
     def run(budget_bytes: int, lazy: bool) -> tuple[list[list[int]], BatchSession]:
         session = BatchSession(engine, budget_bytes, lazy=lazy, max_batch_tokens=16)
-        seqs = [session.sequence(p, s, n, SpecConfig(method, 3))
-                for p, s, n in zip(prompts, samplings, budgets, strict=True)]
-        for seq in seqs:
-            session.add(seq)
-        while not session.idle:
-            session.step()
-        assert all(seq.error is None for seq in seqs), [seq.error for seq in seqs]
-        return [[t for st in seq.steps for t in st.tokens] for seq in seqs], session
+        return drain(session, [session.sequence(p, s, n, SpecConfig(method, 3))
+                               for p, s, n in zip(prompts, samplings, budgets, strict=True)])
 
     roomy, _ = run(BUDGET, lazy=False)
     tight, session = run(per_token * 150, lazy=True)  # ~2.5 members' worst case

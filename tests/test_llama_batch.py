@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_batch_session import drain
 from tiny_files import SPECIAL, byte_tokens, random_kquant_weights, write_gguf
 
 from forerun import Engine, SpecConfig
@@ -247,15 +248,9 @@ def test_lazy_llama_cpp_batches_preempt_and_every_output_stays(source, solo, met
 
     def run(cells: int, lazy: bool):
         session = BatchSession(engine, cells * per_token, lazy=lazy, max_batch_tokens=16)
-        seqs = [session.sequence(p, SamplingConfig(temperature=temperature, seed=i), n,
-                                 SpecConfig(method, 3))
-                for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))]
-        for seq in seqs:
-            session.add(seq)
-        while not session.idle:
-            session.step()
-        assert all(seq.error is None for seq in seqs), [seq.error for seq in seqs]
-        return [[t for st in seq.steps for t in st.tokens] for seq in seqs], session
+        return drain(session, [session.sequence(p, SamplingConfig(temperature=temperature,
+                                                                  seed=i), n, SpecConfig(method, 3))
+                               for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))])
 
     roomy, _ = run(4096, lazy=False)
     tight, session = run(150, lazy=True)  # ~2.5 members' worst case

@@ -92,14 +92,16 @@ def peer_servers(names: list[str], *, target_gguf: Path, draft_gguf: Path | None
         binary, note = tp.peer_path(tp.LLAMA_VAR)
         if binary is None:
             notes += [f"{n} {note}" for n in llama]
-        for n in llama if binary is not None else []:
-            draft = draft_gguf if n == "llama-server-draft" else None
-            if n == "llama-server-draft" and draft is None:
-                notes.append(f"{n} skipped: no draft model")
-                continue
-            peer = tp.LlamaServerPeer(binary, target_gguf, draft, parallel=slots, k=k,
-                                      context_per_slot=context)
-            out.append((n, lambda port, p=peer: PeerServer(p.label(), tuple(p.command(port)))))
+        else:
+            for n in llama:
+                draft = draft_gguf if n == "llama-server-draft" else None
+                if n == "llama-server-draft" and draft is None:
+                    notes.append(f"{n} skipped: no draft model")
+                    continue
+                peer = tp.LlamaServerPeer(binary, target_gguf, draft, parallel=slots, k=k,
+                                          context_per_slot=context)
+                out.append((n, lambda port, p=peer: PeerServer(p.label(),
+                                                               tuple(p.command(port)))))
     return out, notes
 
 

@@ -150,10 +150,6 @@ class KVCopy:
     v: torch.Tensor
 
     @property
-    def tokens(self) -> int:
-        return self.k.shape[2]
-
-    @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
