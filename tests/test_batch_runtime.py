@@ -11,10 +11,13 @@ cache.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import tiny_model
 
+from forerun.bench.serving import rss_bytes
 from forerun.runtime.batch import BatchTorchRuntime, CachePool, PackedBatch, PoolFull
 from forerun.runtime.torch_model import TorchRuntime
 from forerun.tree import TokenTree
@@ -113,6 +116,20 @@ def test_the_pool_is_a_byte_budget_that_refuses_frees_and_merges():
     assert pool.free_slots == 100 and pool.live == 0
     with pytest.raises(ValueError, match="holds no token"):
         CachePool(2, 2, 8, 10, torch.float64)
+
+
+def test_the_pool_budget_is_not_resident_until_written():
+    """A 2 GiB pool costs next to no RSS at idle (calloc'd zero pages), reads as zeros, and
+    only the written slots' pages become resident."""
+    rss = lambda: rss_bytes(os.getpid())  # noqa: E731
+    before = rss()
+    pool = CachePool(n_layers=4, n_kv_heads=2, head_dim=64, budget_bytes=2 << 30,
+                     dtype=torch.bfloat16)
+    assert pool.k.nbytes + pool.v.nbytes >= 2 << 30
+    assert rss() - before < 64 << 20
+    assert not pool.k[:, :, -100:].any() and not pool.v[:, :, :100].any()
+    pool.k[:, :, :1000] = 1.0  # 1,000 of ~1M slots: 8 strips of 2 MiB pages at most
+    assert rss() - before < 256 << 20
 
 
 def test_a_member_over_its_reservation_or_the_context_is_refused():

@@ -38,6 +38,7 @@ import torch
 
 from forerun.runtime.base import Capabilities, ForwardOutput
 from forerun.runtime.batch_static import BatchStaticPasses
+from forerun.runtime.memory import lazy_zeros
 from forerun.runtime.torch_model import TorchRuntime, attend, attend_rows, rms_norm, rope_tables
 
 
@@ -167,8 +168,8 @@ class CachePool:
             raise ValueError(f"a cache budget of {budget_bytes} bytes holds no token "
                              f"({self.bytes_per_token} bytes each)")
         shape = (n_layers, n_kv_heads, self.slots + SPARE_SLOTS, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = lazy_zeros(shape, dtype, device)  # pages resident once written: RSS follows
+        self.v = lazy_zeros(shape, dtype, device)  # the slots in use, not the budget
         self._free: list[tuple[int, int]] = [(0, self.slots)]  # (start, size), by start
         self._regions: dict[int, Region] = {}
         self._next = 0

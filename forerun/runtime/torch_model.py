@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forerun.runtime.base import Capabilities, ForwardOutput, ModelConfig
+from forerun.runtime.memory import lazy_zeros
 from forerun.runtime.static import StaticPasses
 
 # Canonical parameter names a loader must provide; "{i}" is the layer index.
@@ -274,8 +275,8 @@ class TorchRuntime:
         self._set_invariant()
         self._capacity = min(capacity, cfg.context_length)
         shape = (cfg.n_layers, cfg.n_kv_heads, self._capacity, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_cache = lazy_zeros(shape, self.dtype, self.device)  # resident once written
+        self.v_cache = lazy_zeros(shape, self.dtype, self.device)
         self.cos, self.sin = rope_tables(cfg, self._capacity, self.dtype, self.device)
         self._length = 0
         self.out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32  # logits
@@ -350,7 +351,9 @@ class TorchRuntime:
     def fork(self) -> TorchRuntime:
         """One more sequence: the same (shared, never copied) weights, an empty cache of its own."""
         twin = copy.copy(self)
-        twin.k_cache, twin.v_cache = torch.zeros_like(self.k_cache), torch.zeros_like(self.v_cache)
+        shape = tuple(self.k_cache.shape)
+        twin.k_cache = lazy_zeros(shape, self.dtype, self.device)
+        twin.v_cache = lazy_zeros(shape, self.dtype, self.device)
         twin._length = 0
         twin._static = twin._new_static()  # graphs write this cache: the twin records its own
         twin.curve = None  # its own, measured at its first use
