@@ -5,8 +5,8 @@ Properties: prefill, chain and tree passes of members of different lengths, batc
 mix, give each member the logits a one-sequence runtime gives it (float64: equal to 1e-12, and
 the same argmax; decode-sized rows attend in plain matmuls, prompts through SDPA); `commit` after
   a tree pass equals `keep` on the one-sequence runtime; the
-pool refuses what does not fit, frees and merges regions, and a member never sees another's
-cache.
+pool refuses what does not fit, frees and merges regions, is not resident until written, and a
+member never sees another's cache.
 """
 
 from __future__ import annotations
