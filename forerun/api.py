@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -19,7 +19,7 @@ from forerun.batch_policy import measure_batch_curve
 from forerun.batch_session import BatchSession
 from forerun.engine import speculative_decode
 from forerun.heads import PRECISIONS, Heads, load_heads, w8a8_available
-from forerun.metrics import GenerationStats, Step
+from forerun.metrics import GenerationStats, Step, TokenLogprob
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
 from forerun.models.load import DEFAULT_CONTEXT, ModelSource, open_model, resolve_dtype, target_io
 from forerun.models.tokenizer import TextTokenizer
@@ -35,6 +35,7 @@ from forerun.sampling import SamplingConfig, make_generator
 from forerun.stopping import StopStrings, TextOut
 
 DEFAULT_MAX_TOKENS = 256
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 # KV memory of a batch (per model), reserved per sequence for its prompt + max_tokens
 DEFAULT_KV_BUDGET_BYTES = 2 << 30
 
@@ -82,11 +83,13 @@ class Completion:
     finish_reason: str
     stats: GenerationStats
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token id, where asked
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids,
                 "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
-                "stats": self.stats.to_dict()}
+                "stats": self.stats.to_dict()} | ({} if self.logprobs is None else {
+                    "logprobs": [asdict(lp) for lp in self.logprobs]})
 
 
 def heads_device(load: LoadConfig) -> str:
@@ -211,23 +214,31 @@ class Engine:
 
     def stream(self, prompt: str | list[int], *, sampling: SamplingConfig | None = None,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: tuple[str, ...] = (),
-               raw: bool = False, spec: SpecConfig | None = None) -> Generator[Chunk, None, None]:
+               raw: bool = False, spec: SpecConfig | None = None,
+               logprobs: int | None = None) -> Generator[Chunk, None, None]:
         """Yield text as it is generated; `spec` overrides the engine's speculation config.
-        One chunk per target forward pass."""
+        One chunk per target forward pass; `logprobs` (alternatives per token, 0..20): each
+        chunk's step carries its tokens' logprobs from the verify pass."""
         sampling, spec = sampling or SamplingConfig(), spec or self.spec
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         ids = self.encode(prompt, raw)
+        sampling.processing.check_vocab(self.target.config.vocab_size)
         generator = make_generator(sampling.seed)
         stop_ids = self.tokenizer.stop_ids
-        if spec.method == "none":
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+        if spec.method == "none" and logprobs is None:
             steps = plain_decode(self.target, ids, sampling, max_tokens, stop_ids, generator)
+        elif spec.method == "none":  # the batch step itself, which reads the logits
+            steps = speculative_decode(self.target, None, None, ids, sampling, max_tokens,
+                                       stop_ids, generator, logprobs)
         else:
             proposer = PROPOSERS[spec.method](spec, self.proposers)
             # the cost policy measures forward times at a runtime's first use (see profile.py)
             policy = POLICIES[spec.policy](spec, self.target, proposer.runtime)
             steps = speculative_decode(self.target, proposer, policy, ids, sampling, max_tokens,
-                                       stop_ids, generator)
+                                       stop_ids, generator, logprobs)
         out = TextOut(self.tokenizer, stop)
         for step in steps:
             text, hit = out.push(step.tokens, final=step.finish_reason is not None)
@@ -253,7 +264,9 @@ class Engine:
             finish_reason=steps[-1].finish_reason or "length",
             stats=GenerationStats.from_steps(spec.method, spec.k if spec.method != "none" else 0,
                                              start, steps),
-            prompt_tokens=len(ids))
+            prompt_tokens=len(ids),
+            logprobs=None if kwargs.get("logprobs") is None else [
+                lp for s in steps for lp in s.logprobs])
 
 
     def generate_batch(self, prompts: list[str | list[int] | list[dict]], *,

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from forerun.batch_policy import BatchCostPolicy
-from forerun.metrics import Step
+from forerun.metrics import Step, TokenLogprob
 from forerun.policy import LengthPolicy
+from forerun.processors import process_rows
 from forerun.propose.base import BatchDrafter, Draft, DraftRequest, Proposer
 from forerun.runtime.batch import BatchRuntime, PackedBatch, PoolFull
 from forerun.sampling import SamplingConfig, logits_to_probs_rows
@@ -72,6 +73,7 @@ class Sequence:
     steps: list[Step] = field(default_factory=list)
     # preempted (its cache freed): the tokens it had, restored once its cache is recomputed
     resume: list[int] | None = None
+    logprobs: int | None = None  # alternatives per emitted token's logprob (None: not asked)
 
     @property
     def prefilled(self) -> bool:
@@ -150,7 +152,8 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
                 needs = s.proposer.needs
                 skip = rows.start + needs.hidden_from(len(s.prompt))  # the rows its head reads
                 s.proposer.feed({i: output.hidden[i][skip:rows.stop] for i in needs.hidden_layers})
-            out[b] = _emit(runtime, s, verdict.tokens, 0, 0, now, prefill=True)
+            out[b] = _emit(runtime, s, verdict.tokens, 0, 0, now, prefill=True,
+                           logprobs=_logprobs(s, output.logits, spans[j], verdict))
             continue
         # 5. Commit the accepted path in the cache and the drafter (and its features).
         kept = [0, *(i + 1 for i in verdict.path)]  # the member's rows now final
@@ -168,7 +171,8 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
             if lengths is not None:
                 lengths.update(id(s), drafted, len(verdict.path))
         # 7. Emit.
-        out[b] = _emit(runtime, s, verdict.tokens, drafted, len(verdict.path), now)
+        out[b] = _emit(runtime, s, verdict.tokens, drafted, len(verdict.path), now,
+                       logprobs=_logprobs(s, output.logits, spans[j], verdict))
     return out
 
 
@@ -207,7 +211,9 @@ def _verify_all(live: list[Sequence], drafts: list[Draft | None], trees: list[To
     chains among them (a prefill or a plain step is a chain of no draft tokens) through one
     batched rejection sampler, each drawing from its own generator; trees walk their own rows.
     The transform runs on the host as each member's did alone: its bits are then the same in
-    any batch (a device's reductions round by the batch's shape)."""
+    any batch (a device's reductions round by the batch's shape). Penalties and logit bias come
+    first, each row under its own history (`_processed`)."""
+    logits = _processed(live, drafts, trees, spans, logits)  # [R, V]
     best = logits.argmax(-1).tolist()  # [R]
     verdicts: list[Verdict | TreeVerdict | None] = [None] * len(live)
     sampled = []
@@ -241,6 +247,30 @@ def _verify_all(live: list[Sequence], drafts: list[Draft | None], trees: list[To
             verdicts[b] = recursive_rejection_sample(trees[b], d.tokens, p[at[b]], d.q,
                                                      live[b].generator)
     return verdicts
+
+
+def _processed(live: list[Sequence], drafts: list[Draft | None], trees: list[TokenTree | None],
+               spans: list[range], logits: torch.Tensor) -> torch.Tensor:
+    """The wanted rows' logits [R, V] through each member's `forerun.processors` options, a
+    verify's row under the committed tokens plus the draft's path to it (as if the path had
+    been generated), a prompt's last row under the prompt."""
+    if not any(s.sampling.processing.active for s in live):
+        return logits
+    configs, histories, starts = [], [], []
+    for s, d, tree, span in zip(live, drafts, trees, spans, strict=True):
+        cfg = s.sampling.processing
+        if not cfg.active:
+            rows: list[list[int]] = [[]] * len(span)
+        elif d is None:
+            rows = [s.prompt] * len(span)  # a prompt's last row: its first token
+        else:
+            drafted = d.tokens.tolist()
+            rows = [s.tokens, *(s.tokens + [drafted[j] for j in tree.path(i)]
+                                for i in range(len(tree)))]
+        configs += [cfg] * len(span)
+        histories += rows
+        starts += [len(s.prompt)] * len(span)
+    return process_rows(logits, configs, histories, starts)
 
 
 def _draft_tokens(d: Draft | None) -> torch.Tensor:
@@ -337,14 +367,31 @@ def _room(runtime: BatchRuntime, s: Sequence) -> int:
     return min(runtime.reserved(s.handle) - len(s.tokens) - extra, s.max_k)
 
 
+def _logprobs(s: Sequence, logits: torch.Tensor, span: range, verdict: Verdict | TreeVerdict
+              ) -> list[TokenLogprob] | None:
+    """The emitted tokens' logprobs from the pass's raw logits [R, V] (None unless asked):
+    token 0 from the member's first row, token i + 1 from the row of path node i."""
+    if s.logprobs is None:
+        return None
+    rows = [span.start, *(span.start + n + 1 for n in verdict.path)]  # [len(tokens)]
+    logp = logits[rows].double().log_softmax(-1).cpu()  # [n, V]
+    chosen = logp.gather(-1, torch.tensor(verdict.tokens)[:, None])[:, 0].tolist()  # [n]
+    top = logp.topk(s.logprobs, -1) if s.logprobs else None
+    return [TokenLogprob(t, lp, () if top is None else tuple(zip(
+        top.indices[i].tolist(), top.values[i].tolist(), strict=True)))
+        for i, (t, lp) in enumerate(zip(verdict.tokens, chosen, strict=True))]
+
+
 def _emit(runtime: BatchRuntime, s: Sequence, tokens: list[int], drafted: int,
-          accepted: int, now: float, prefill: bool = False) -> Step:
+          accepted: int, now: float, prefill: bool = False,
+          logprobs: list[TokenLogprob] | None = None) -> Step:
     if prefill:
         s.tokens = [*s.prompt, *tokens]
     room = runtime.capacity - len(s.prompt) - s.emitted
     emitted, s.finish = cut(tokens, s.stop_ids, s.max_new_tokens - s.emitted, room)
     s.emitted += len(emitted)
-    result = Step(emitted, drafted, accepted, now, s.finish, prefill=prefill)
+    result = Step(emitted, drafted, accepted, now, s.finish, prefill=prefill,
+                  logprobs=None if logprobs is None else tuple(logprobs[:len(emitted)]))
     s.steps.append(result)
     return result
 

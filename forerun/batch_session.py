@@ -74,15 +74,16 @@ class BatchSession:
     # --- members -----------------------------------------------------------------------------
 
     def sequence(self, ids: list[int], sampling: SamplingConfig, max_tokens: int,
-                 spec: SpecConfig | None = None) -> Sequence:
+                 spec: SpecConfig | None = None, logprobs: int | None = None) -> Sequence:
         """A member for prompt `ids` (not yet added): its drafter for `spec` (the engine's by
         default; method none = plain decoding), its generator, policy and cache slack. Raises
         ValueError / ModelError for a spec this engine cannot draft with."""
         spec, engine = spec or self.engine.spec, self.engine
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        sampling.processing.check_vocab(engine.target.config.vocab_size)
         seq = Sequence(ids, sampling, max_tokens, make_generator(sampling.seed),
-                       engine.tokenizer.stop_ids)
+                       engine.tokenizer.stop_ids, logprobs=logprobs)
         if spec.method == "none":
             return seq
         seq.max_k = max_nodes(spec)

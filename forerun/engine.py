@@ -26,14 +26,18 @@ from forerun.runtime.solo import SoloBatch
 from forerun.sampling import SamplingConfig
 
 
-def speculative_decode(target: Runtime, proposer: Proposer, policy: LengthPolicy,
+def speculative_decode(target: Runtime, proposer: Proposer | None, policy: LengthPolicy | None,
                        prompt: list[int], sampling: SamplingConfig, max_new_tokens: int,
-                       stop_ids: Collection[int], generator: torch.Generator) -> Iterator[Step]:
-    """Decode `prompt` on `target` with `proposer` drafting and `policy` choosing each step's
-    k -> its Steps as they happen (the first is the prefill's token)."""
+                       stop_ids: Collection[int], generator: torch.Generator,
+                       logprobs: int | None = None) -> Iterator[Step]:
+    """Decode `prompt` on `target` with `proposer` drafting (None: plain decoding through the
+    same step) and `policy` choosing each step's k -> its Steps as they happen (the first is
+    the prefill's token); `logprobs`: each Step carries its tokens' logprobs with that many
+    alternatives (None: none)."""
     solo = SoloBatch(target)
     seq = Sequence(prompt, sampling, max_new_tokens, generator, stop_ids, proposer, policy,
-                   max_k=target.capacity)  # a solo sequence's drafts are bounded by its room
+                   max_k=target.capacity,  # a solo sequence's drafts are bounded by its room
+                   logprobs=logprobs)
     admit(solo, seq)
     try:
         while not seq.finish:

@@ -1,6 +1,7 @@
 """Generation metrics: what one decode step reports, and the summary of a whole generation.
 
-Owns: `Step` (one target forward pass and the tokens it produced) and `GenerationStats`.
+Owns: `Step` (one target forward pass and the tokens it produced, with their log-probabilities
+when asked: `TokenLogprob`) and `GenerationStats`.
 Definitions:
 - acceptance_rate = accepted draft tokens / drafted tokens;
 - mean_accepted_length = mean over verify steps of (accepted + 1): it includes the recovered or
@@ -17,6 +18,16 @@ from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of an emitted token (log-softmax of its raw logits at that
+    position, before penalties and temperature) and its `top` alternatives, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Step:
     tokens: list[int]  # emitted by this step (after stop / max-token truncation)
     drafted: int  # draft tokens proposed (0 for the prefill step and plain decoding)
@@ -24,6 +35,7 @@ class Step:
     time: float  # perf_counter() when the step finished
     finish_reason: str | None = None  # "stop" or "length" on the last step
     prefill: bool = False
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, where the sequence asks
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Plain autoregressive decoding: the oracle every speculative method must match, and the
-baseline every speedup is measured against. Deliberately the obvious loop. Also replays its
+baseline every speedup is measured against. Deliberately the obvious loop (penalties and logit
+bias applied to each position's logits with the history so far). Also replays its
 path to show what it saw where another greedy decoding parted from it (`divergence`).
 """
 
@@ -11,6 +12,7 @@ from collections.abc import Collection, Iterator
 import torch
 
 from forerun.metrics import Step
+from forerun.processors import process_row
 from forerun.runtime.base import Runtime
 from forerun.sampling import SamplingConfig, next_token
 from forerun.stopping import check_prompt, cut
@@ -26,14 +28,15 @@ def prefill(target: Runtime, prompt: list[int], sampling: SamplingConfig,
     target.truncate(0)
     out = target.forward(torch.tensor(prompt), last_only=True, hidden_layers=hidden_layers,
                          hidden_from=hidden_from)
-    return next_token(out.logits[-1], sampling, generator), out.hidden
+    logits = process_row(out.logits[-1], sampling.processing, prompt, len(prompt))  # [V]
+    return next_token(logits, sampling, generator), out.hidden
 
 
 def plain_decode(target: Runtime, prompt: list[int], sampling: SamplingConfig,
                  max_new_tokens: int, stop_ids: Collection[int],
                  generator: torch.Generator) -> Iterator[Step]:
     token, _ = prefill(target, prompt, sampling, generator)
-    emitted, is_prefill = 0, True
+    emitted, is_prefill, history = 0, True, [*prompt]
     while True:
         room = target.capacity - len(prompt) - emitted
         out, finish = cut([token], stop_ids, max_new_tokens - emitted, room)
@@ -41,8 +44,10 @@ def plain_decode(target: Runtime, prompt: list[int], sampling: SamplingConfig,
         yield Step(out, 0, 0, time.perf_counter(), finish, prefill=is_prefill)
         if finish:
             return
+        history.append(token)
         logits = target.forward(torch.tensor([token])).logits  # [1, V]
-        token, is_prefill = next_token(logits[-1], sampling, generator), False
+        logits = process_row(logits[-1], sampling.processing, history, len(prompt))  # [V]
+        token, is_prefill = next_token(logits, sampling, generator), False
 
 
 def plain_logits_at(target: Runtime, prompt: list[int], tokens: list[int], position: int

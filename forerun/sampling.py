@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from forerun.processors import NONE, Processing
+
 
 class SamplingError(ValueError):
     """An invalid sampling parameter."""
@@ -27,6 +29,9 @@ class SamplingConfig:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     seed: int | None = None
+    # penalties and logit bias: they read the history, so the batch step applies them to the
+    # logits (`forerun.processors`) before the transforms here
+    processing: Processing = NONE
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):

@@ -18,6 +18,7 @@ from forerun.heads import PRECISIONS
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from forerun.models.load import DEFAULT_CONTEXT, DTYPES, RUNTIMES
 from forerun.policy import POLICIES
+from forerun.processors import Processing
 from forerun.propose import PROPOSERS, SpecConfig, tree_budget
 from forerun.sampling import SamplingConfig
 
@@ -121,6 +122,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the max")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide seen tokens' positive logits by R, multiply negative ones "
+                        "(prompt and output; 1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="E",
+                   help="subtract E from every generated token's logit (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="subtract F x its count from each generated token's logit (0 = off)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
+                   type=_bias, help="add BIAS (-100..100) to token id TOKEN's logit (repeatable)")
     g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="most new tokens (default: %(default)s)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -129,4 +139,19 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_config(args: argparse.Namespace) -> SamplingConfig:
     """The SamplingConfig of the arguments add_sampling_args defined."""
-    return SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    processing = Processing.of(args.repetition_penalty, args.presence_penalty,
+                               args.frequency_penalty, dict(args.logit_bias))
+    return SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p, args.seed,
+                          processing)
+
+
+def _bias(text: str) -> tuple[int, float]:
+    """TOKEN=BIAS -> (token id, bias)."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN=BIAS (e.g. 151643=-100), got {text!r}"
+                                         ) from None

@@ -64,6 +64,10 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token's own text, special tokens included (a logprob's `token`)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ModelError("this model has no chat template; use --raw to send the prompt as is")

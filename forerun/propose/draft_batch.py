@@ -9,13 +9,15 @@ pending token and any accepted tokens after a verify), then one token per member
 `commit` truncates the region to the tokens verification kept. Members drafting fewer tokens
 leave the rounds early. Each member samples from its own q with its own generator, so a
 member's drafts do not depend on the others' (up to the draft model's rounding, which never
-changes the output: the target verifies every token).
+changes the output: the target verifies every token). A member's penalties and logit bias shape
+its q as they shape the target's p (history: its sequence and the tokens drafted before).
 """
 
 from __future__ import annotations
 
 import torch
 
+from forerun.processors import process_row
 from forerun.propose.base import Draft, DraftRequest, Needs
 from forerun.runtime.batch import BatchRuntime, PackedBatch
 from forerun.sampling import logits_to_probs, sample
@@ -45,10 +47,16 @@ class SharedDraftModel:
             best = logits.argmax(-1).cpu()  # [B]: one host sync for every greedy member
             for row, i in enumerate(members):
                 r = requests[i]
+                row_logits = logits[row]  # [V]
+                if r.sampling.processing.active:  # q shaped as the target's p is
+                    history = [*r.tokens, *(int(t) for t in drafted[i])]
+                    row_logits = process_row(row_logits, r.sampling.processing, history,
+                                             r.proposer.prompt_length)
                 if r.sampling.greedy:  # its one-hot row's token; q = None says just that
-                    token = best[row]
+                    token = (row_logits.argmax(-1).cpu() if r.sampling.processing.active
+                             else best[row])
                 else:
-                    probs = logits_to_probs(logits[row].cpu(), r.sampling)  # [V]
+                    probs = logits_to_probs(row_logits.cpu(), r.sampling)  # [V]
                     token = sample(probs, r.generator)
                     q[i].append(probs)
                 drafted[i].append(token)
@@ -80,9 +88,11 @@ class PooledDraft:
     def __init__(self, group: SharedDraftModel, slots: int):
         self.group, self.slots, self.handle = group, slots, -1
         self.runtime = group.runtime.single  # the drafter's one-sequence view (its cost curve)
+        self.prompt_length = 0  # where its sequence's output starts (the penalties' history)
 
     def prefill(self, prompt: list[int]) -> None:
         """Reserve the member's region; the prompt is fed at its first draft round."""
+        self.prompt_length = len(prompt)
         self.group.release(self)
         self.handle = self.group.runtime.add(min(self.slots, self.group.runtime.capacity))
 

@@ -1,5 +1,6 @@
 """Draft-model speculation: a smaller model with the same tokenizer proposes k tokens
-autoregressively, sampled from its own distribution q under the same sampling settings.
+autoregressively, sampled from its own distribution q under the same sampling settings
+(penalties and logit bias included, with the history each drafted position has).
 
 Owns: the draft model's KV cache bookkeeping. Invariant: the draft cache holds the first
 `runtime.length` tokens of the sequence; `propose` feeds whatever is missing (the pending token,
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from forerun.processors import process_row
 from forerun.propose.base import Draft, Needs
 from forerun.runtime.base import Runtime
 from forerun.sampling import logits_to_probs, sample
@@ -23,8 +25,10 @@ class DraftModelProposer:
 
     def __init__(self, runtime: Runtime, target_vocab_size: int):
         self.runtime, self.vocab_size = runtime, target_vocab_size
+        self.prompt_length = 0  # where the sequence's output starts (the penalties' history)
 
     def prefill(self, prompt: list[int]) -> None:
+        self.prompt_length = len(prompt)
         self.runtime.truncate(0)
         if len(prompt) > 1:
             self.runtime.forward(torch.tensor(prompt[:-1]), last_only=True)
@@ -37,6 +41,9 @@ class DraftModelProposer:
         for _ in range(k):
             logits = self.runtime.forward(missing, last_only=True).logits[-1]  # [V_draft]
             logits = self._to_target_vocab(logits)  # [V]
+            if sampling.processing.active:  # q shaped as the target's p is
+                logits = process_row(logits, sampling.processing,
+                                     [*tokens, *(int(t) for t in drafted)], self.prompt_length)
             if sampling.greedy:  # its one-hot row's token; q = None says just that
                 token = logits.argmax(-1)
             else:

@@ -34,8 +34,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from forerun.api import DEFAULT_MAX_TOKENS
 from forerun.heads import KINDS as HEAD_KINDS
+from forerun.metrics import TokenLogprob
 from forerun.models.catalog import ModelError
 from forerun.policy import POLICIES
+from forerun.processors import Processing, ProcessingError
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.sampling import SamplingConfig, SamplingError
 from forerun.serve.limits import DISCONNECT_POLL_S, MAX_BODY_BYTES, MAX_TOKENS_LIMIT
@@ -48,6 +50,7 @@ from forerun.serve.protocol import (
     Speculation,
     chat_messages,
     error_body,
+    logprobs_wanted,
     stop_strings,
     unsupported,
     usage,
@@ -127,13 +130,15 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(body)
         ids = await run_in_threadpool(prompt_ids, body.prompt)
-        return await generate(request, body, ids, Shape(chat=False, model=config.model_name))
+        return await generate(request, body, ids, Shape(chat=False, model=config.model_name,
+                                                                   token_text=token_text))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check_request(body)
         ids = await run_in_threadpool(chat_ids, body)
-        return await generate(request, body, ids, Shape(chat=True, model=config.model_name))
+        return await generate(request, body, ids, Shape(chat=True, model=config.model_name,
+                                                                  token_text=token_text))
 
     def check_request(body: CompletionRequest | ChatRequest) -> None:
         if body.model != config.model_name:
@@ -152,6 +157,9 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(400, f"token ids must lie in [0, {vocab})", param="prompt")
         return list(prompt)
+
+    def token_text(token: int) -> str:
+        return engine.tokenizer.token_text(token)
 
     def chat_ids(body: ChatRequest) -> list[int]:
         try:
@@ -181,6 +189,23 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
                            code="context_length_exceeded")
         return asked
 
+    def processing(body: CompletionRequest | ChatRequest) -> Processing:
+        """Penalties and logit bias (token ids as strings, OpenAI's form), each checked."""
+        bias: dict[int, float] = {}
+        for key, value in (body.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
+                raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab}), got "
+                               f"{key!r}", param="logit_bias")
+            bias[int(key)] = value
+        try:
+            return Processing.of(1.0 if body.repetition_penalty is None
+                                 else body.repetition_penalty, body.presence_penalty or 0.0,
+                                 body.frequency_penalty or 0.0, bias)
+        except ProcessingError as e:
+            param = next((f for f in ("repetition_penalty", "presence_penalty",
+                                      "frequency_penalty", "logit_bias") if f in str(e)), None)
+            raise APIError(400, str(e), param=param) from e
+
     async def generate(request: Request, body: CompletionRequest | ChatRequest, ids: list[int],
                        shape: Shape) -> Response:
         max_tokens = budget(body, ids)
@@ -189,20 +214,21 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
             sampling = SamplingConfig(
                 temperature=0.0 if temperature < GREEDY_BELOW else temperature,
                 top_k=max(0, body.top_k or 0), top_p=1.0 if body.top_p is None else body.top_p,
-                min_p=body.min_p or 0.0, seed=body.seed)
+                min_p=body.min_p or 0.0, seed=body.seed, processing=processing(body))
         except SamplingError as e:
             raise APIError(400, str(e)) from e
         spec, stream_stats = resolve_spec(body.speculation, engine.spec,
                                           has_draft=engine.draft is not None,
                                           heads=engine.heads.cfg.kind if engine.heads else None)
-        stop, n = stop_strings(body.stop), body.n or 1
+        stop, n, logprobs = stop_strings(body.stop), body.n or 1, logprobs_wanted(body)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue[Event]()
 
         def emit(event: Event) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         jobs = [Job(ids, replace(sampling, seed=None if body.seed is None else body.seed + i),
-                    max_tokens, stop, spec, emit, index=i) for i in range(n)]
+                    max_tokens, stop, spec, emit, index=i, logprobs=logprobs)
+                for i in range(n)]
         try:
             worker.submit(jobs)
         except Busy as e:
@@ -216,10 +242,11 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = stream_events(queue, shape, n, len(ids), include_usage, stream_stats)
+            events = stream_events(queue, shape, n, len(ids), include_usage, stream_stats,
+                                   logprobs is not None)
             return EventStream(events, on_close=cancel)
         try:
-            return await collect(request, queue, shape, n, len(ids))
+            return await collect(request, queue, shape, n, len(ids), logprobs is not None)
         finally:
             cancel()  # finished jobs ignore it; a client gone or an error frees the slots
 
@@ -259,9 +286,11 @@ def resolve_spec(field: Speculation | None, default: SpecConfig, *, has_draft: b
 
 
 async def collect(request: Request, queue: asyncio.Queue[Event], shape: Shape, n: int,
-                  prompt_tokens: int) -> Response:
-    """A whole (non-streaming) response; gives up when the client goes away."""
+                  prompt_tokens: int, asked: bool = False) -> Response:
+    """A whole (non-streaming) response (with logprobs where `asked`); gives up when the
+    client goes away."""
     texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
     done: dict[int, Done] = {}
     clock = asyncio.get_running_loop().time
     next_check = clock() + DISCONNECT_POLL_S
@@ -280,31 +309,37 @@ async def collect(request: Request, queue: asyncio.Queue[Event], shape: Shape, n
             raise APIError(500, event.message)
         if isinstance(event, Delta):
             texts[event.index].append(event.text)
+            logprobs[event.index].extend(event.step.logprobs or ())
         else:
             done[event.index] = event
-    choices = [shape.choice(i, "".join(texts[i]), done[i].finish_reason,
-                            done[i].stats.to_dict()) for i in range(n)]
+    choices = [shape.choice(i, "".join(texts[i]), done[i].finish_reason, done[i].stats.to_dict(),
+                            logprobs[i] if asked else None) for i in range(n)]
     completion_tokens = sum(d.completion_tokens for d in done.values())
     return JSONResponse(shape.response(choices, usage(prompt_tokens, completion_tokens)))
 
 
 async def stream_events(queue: asyncio.Queue[Event], shape: Shape, n: int, prompt_tokens: int,
-                        include_usage: bool, stream_stats: bool) -> AsyncIterator[str]:
-    """Server-sent events: text deltas, one finishing chunk per choice (with its speculation
-    stats), the usage chunk when asked, then [DONE]."""
+                        include_usage: bool, stream_stats: bool, logprobs: bool = False
+                        ) -> AsyncIterator[str]:
+    """Server-sent events: text deltas (with their tokens' logprobs when asked), one finishing
+    chunk per choice (with its speculation stats), the usage chunk when asked, then [DONE]."""
     if shape.chat:
         for i in range(n):
             yield sse(shape.chunk(i, "", role=True))
     done: dict[int, Done] = {}
+    chars = [0] * n  # text sent so far per choice (the completions' text_offset)
     while len(done) < n:
         event = await queue.get()
         if isinstance(event, Failed):
             yield sse(error_body(event.message, "server_error"))
             break
         if isinstance(event, Delta):
-            if event.text or stream_stats:
+            lps = shape.logprobs(event.step.logprobs, chars[event.index]) if logprobs else None
+            if event.text or stream_stats or (lps is not None and event.step.tokens):
                 yield sse(shape.chunk(event.index, event.text,
-                                      speculation=event.stats if stream_stats else None))
+                                      speculation=event.stats if stream_stats else None,
+                                      logprobs=lps))
+            chars[event.index] += len(event.text)
             continue
         done[event.index] = event
         yield sse(shape.chunk(event.index, None, event.finish_reason, event.stats.to_dict()))

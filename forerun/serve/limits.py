@@ -12,6 +12,7 @@ MAX_BODY_BYTES = 1 << 20  # --max-body-bytes: a larger request body is refused w
 MAX_TOKENS_LIMIT = 4096  # --max-tokens-limit: the largest max_tokens a request may ask for
 MAX_K = 16  # the longest draft a request may ask for
 MAX_N = 8  # choices per request
+MAX_LOGPROBS = 20  # alternatives per token's logprob, as OpenAI
 MAX_STOP = 4  # stop strings per request, as OpenAI
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_SEED = 2**63 - 1

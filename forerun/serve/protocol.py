@@ -5,7 +5,9 @@ Owns: what a request may contain and what is refused (with the field named in `p
 (`{"error": {"message", "type", "param", "code"}}`). Knows nothing of models or the worker.
 
 Extensions beyond the OpenAI API: `speculation` ("off", or {"method", "k", "policy",
-"ngram_min", "ngram_max", "stream_stats"}), and `top_k` and `min_p` as vLLM accepts them.
+"ngram_min", "ngram_max", "stream_stats"}), and `top_k`, `min_p` and `repetition_penalty` as
+vLLM accepts them. Logprobs are the target's (log-softmax of its raw logits, before penalties
+and temperature, as vLLM reports by default), each token's text its own decoding.
 As in vLLM, a temperature below GREEDY_BELOW is greedy (dividing logits by it would overflow).
 """
 
@@ -13,11 +15,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from forerun.serve.limits import MAX_K, MAX_N, MAX_SEED, MAX_STOP, MAX_STOP_CHARS
+from forerun.metrics import TokenLogprob
+from forerun.serve.limits import MAX_K, MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP, MAX_STOP_CHARS
 
 GREEDY_BELOW = 1e-5
 
@@ -83,6 +87,7 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, description="extension (vLLM's); 1 = off")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     speculation: Speculation | None = None
@@ -127,25 +132,31 @@ class ChatRequest(_Sampling):
 
 def unsupported(req: CompletionRequest | ChatRequest) -> None:
     """Refuse fields we accept in the schema but cannot honour, naming each."""
-    checks: list[tuple[str, bool, str]] = [
-        ("logprobs", req.logprobs not in (None, False), "logprobs are not supported"),
-        ("presence_penalty", bool(req.presence_penalty), "presence_penalty is not supported "
-         "(penalties would change the target distribution speculation preserves)"),
-        ("frequency_penalty", bool(req.frequency_penalty), "frequency_penalty is not supported"),
-        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
-    ]
+    checks: list[tuple[str, bool, str]] = []
     if isinstance(req, CompletionRequest):
         checks += [("echo", bool(req.echo), "echo is not supported"),
                    ("suffix", req.suffix is not None, "suffix is not supported"),
                    ("best_of", req.best_of not in (None, 1, req.n), "best_of is not supported")]
     else:
-        checks += [("top_logprobs", req.top_logprobs is not None, "logprobs are not supported"),
-                   ("tools", bool(req.tools), "tools are not supported"),
+        checks += [("tools", bool(req.tools), "tools are not supported"),
                    ("response_format", (req.response_format or {}).get("type", "text") != "text",
                     "response_format other than text is not supported")]
     for param, refused, message in checks:
         if refused:
             raise APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def logprobs_wanted(req: CompletionRequest | ChatRequest) -> int | None:
+    """Alternatives per token the request asks logprobs with (None: no logprobs)."""
+    if isinstance(req, CompletionRequest):
+        n, param = req.logprobs, "logprobs"
+    else:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        n, param = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise APIError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {n}", param=param)
+    return n
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -175,8 +186,8 @@ def chat_messages(messages: list[Message]) -> list[dict]:
 class Shape:
     """Builds the response and stream-chunk bodies of one request (one id, one timestamp)."""
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, token_text: Callable[[int], str] = str):
+        self.chat, self.model, self.token_text = chat, model, token_text
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -187,21 +198,40 @@ class Shape:
         return self._head("chat.completion" if self.chat else "text_completion") | {
             "choices": choices, "usage": usage}
 
-    def choice(self, index: int, text: str, finish_reason: str, speculation: dict) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, speculation: dict,
+               logprobs: Sequence[TokenLogprob] | None = None) -> dict:
         body = ({"message": {"role": "assistant", "content": text}} if self.chat
                 else {"text": text})
-        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason,
-                "speculation": speculation}
+        return {"index": index, **body, "logprobs": self.logprobs(logprobs),
+                "finish_reason": finish_reason, "speculation": speculation}
+
+    def logprobs(self, lps: Sequence[TokenLogprob] | None, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object: chat's `content` list, or the completions' legacy columns
+        (`text_offset` counted from `offset`, the characters before these tokens)."""
+        if lps is None:
+            return None
+        text = self.token_text
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict:
+                t = text(token)
+                return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+            return {"content": [entry(lp.token, lp.logprob) | {
+                "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
+        tokens = [text(lp.token) for lp in lps]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [_by_text(lp.top, text) for lp in lps], "text_offset": offsets}
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None,
-              speculation: dict | None = None, role: bool = False) -> dict:
+              speculation: dict | None = None, role: bool = False,
+              logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | (
                 {"content": text} if text is not None else {})
             choice = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         if speculation is not None:
             choice["speculation"] = speculation
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
@@ -210,6 +240,15 @@ class Shape:
     def usage_chunk(self, usage: dict) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
             "choices": [], "usage": usage}
+
+
+def _by_text(top: Sequence[tuple[int, float]], text: Callable[[int], str]) -> dict[str, float]:
+    """The completions' {text: logprob} of the alternatives; where two tokens read the same
+    (bytes of one character), the likelier one's."""
+    out: dict[str, float] = {}
+    for token, logprob in top:
+        out.setdefault(text(token), logprob)
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -136,6 +136,7 @@ class Job:
     spec: SpecConfig
     emit: Callable[[Event], None]
     index: int = 0
+    logprobs: int | None = None  # alternatives per token's logprob (None: not asked)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -339,7 +340,8 @@ class Worker:
     def _join(self, job: Job) -> None:
         spec = SpecConfig("none") if self.spec_policy == "off" else job.spec
         try:
-            seq = self.session.sequence(job.ids, job.sampling, job.max_tokens, spec)
+            seq = self.session.sequence(job.ids, job.sampling, job.max_tokens, spec,
+                                        job.logprobs)
         except (ValueError, ModelError) as e:
             self.metrics.finished.labels("error").inc()
             return self._emit(job, Failed(job.index, short_error(e)))
