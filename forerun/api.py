@@ -30,6 +30,7 @@ from forerun.reference import plain_decode
 from forerun.runtime.base import Runtime
 from forerun.runtime.batch import BatchRuntime, BatchTorchRuntime
 from forerun.runtime.forked import ForkedBatch
+from forerun.runtime.memory import return_free_memory
 from forerun.runtime.torch_model import TorchRuntime
 from forerun.sampling import SamplingConfig, make_generator
 from forerun.stopping import StopStrings, TextOut
@@ -167,6 +168,7 @@ class Engine:
                                  f"{list(heads.cfg.layers)}; the {load.runtime} runtime exposes "
                                  "only the final one (-1): use --runtime torch")
         self._attach(target_rt, target_src.tokenizer, draft_rt, spec, heads)
+        return_free_memory()  # loading's temporaries, freed but still mapped
 
     @classmethod
     def from_runtimes(cls, target: Runtime, tokenizer: TextTokenizer,

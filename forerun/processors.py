@@ -46,8 +46,8 @@ class Processing:
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ProcessingError("repetition_penalty must be a finite number > 0, got "
                                   f"{self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
+        for name, value in (("presence_penalty", self.presence_penalty),
+                            ("frequency_penalty", self.frequency_penalty)):
             if not (math.isfinite(value) and -PENALTY_BOUND <= value <= PENALTY_BOUND):
                 raise ProcessingError(f"{name} must be in [-2, 2], got {value}")
         for token, bias in self.logit_bias:

@@ -45,7 +45,7 @@ def _check(logprobs, tokens, prompt):
     worst = 0.0
     for lp, (want, top_ids, top_values) in zip(logprobs, _expected(prompt, tokens), strict=True):
         assert [t for t, _ in lp.top] == top_ids
-        for got, ref in [(lp.logprob, want), *zip((v for _, v in lp.top), top_values)]:
+        for got, ref in [(lp.logprob, want), *zip([v for _, v in lp.top], top_values, strict=True)]:
             worst = max(worst, abs(got - ref))
     assert worst <= TOLERANCE, worst
     return worst

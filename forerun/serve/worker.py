@@ -60,6 +60,7 @@ from forerun.models.catalog import ModelError
 from forerun.profile import calibrated_curve
 from forerun.propose import SpecConfig
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX
+from forerun.runtime.memory import return_free_memory
 from forerun.sampling import SamplingConfig
 from forerun.serve.limits import MAX_ERROR_CHARS, MAX_K, MAX_RESTARTS, SPEC_POLICIES
 from forerun.serve.metrics import ServerMetrics
@@ -320,6 +321,8 @@ class Worker:
         """Join new jobs, drop the cancelled, run a pass; until stopped."""
         while True:
             with self._cond:
+                if not (self._stopping or self._waiting or self._runs):
+                    return_free_memory()  # idle: a burst's freed buffers go back to the OS
                 while not (self._stopping or self._waiting or self._runs):
                     self._cond.wait()
                 if self._stopping:
