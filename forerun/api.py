@@ -18,6 +18,7 @@ import torch
 from forerun.batch_policy import measure_batch_curve
 from forerun.batch_session import BatchSession
 from forerun.engine import speculative_decode
+from forerun.grammar import state_for
 from forerun.heads import PRECISIONS, Heads, load_heads, w8a8_available
 from forerun.metrics import GenerationStats, Step, TokenLogprob
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
@@ -230,17 +231,18 @@ class Engine:
         stop_ids = self.tokenizer.stop_ids
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
-        if spec.method == "none" and logprobs is None:
+        grammar = state_for(sampling.grammar, self.tokenizer, self.target.config.vocab_size)
+        if spec.method == "none" and logprobs is None and grammar is None:
             steps = plain_decode(self.target, ids, sampling, max_tokens, stop_ids, generator)
-        elif spec.method == "none":  # the batch step itself, which reads the logits
+        elif spec.method == "none":  # the batch step itself, which reads and masks the logits
             steps = speculative_decode(self.target, None, None, ids, sampling, max_tokens,
-                                       stop_ids, generator, logprobs)
+                                       stop_ids, generator, logprobs, grammar)
         else:
             proposer = PROPOSERS[spec.method](spec, self.proposers)
             # the cost policy measures forward times at a runtime's first use (see profile.py)
             policy = POLICIES[spec.policy](spec, self.target, proposer.runtime)
             steps = speculative_decode(self.target, proposer, policy, ids, sampling, max_tokens,
-                                       stop_ids, generator, logprobs)
+                                       stop_ids, generator, logprobs, grammar)
         out = TextOut(self.tokenizer, stop)
         for step in steps:
             text, hit = out.push(step.tokens, final=step.finish_reason is not None)

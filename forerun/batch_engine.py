@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from forerun.batch_policy import BatchCostPolicy
+from forerun.grammar import GrammarState, apply_masks
 from forerun.metrics import Step, TokenLogprob
 from forerun.policy import LengthPolicy
 from forerun.processors import process_rows
@@ -74,6 +75,7 @@ class Sequence:
     # preempted (its cache freed): the tokens it had, restored once its cache is recomputed
     resume: list[int] | None = None
     logprobs: int | None = None  # alternatives per emitted token's logprob (None: not asked)
+    grammar: GrammarState | None = None  # structured output, in step with the emitted tokens
 
     @property
     def prefilled(self) -> bool:
@@ -122,7 +124,8 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
     `lengths` chooses every member's k together (else each member's own policy does);
     `max_tokens` caps the pass's rows (None: whole prompts)."""
     # 1. Propose: prompts for new members, pending token + draft for the others.
-    drafts = _propose_all(runtime, live, lengths)
+    drafts = [_grammar_cut(s, d) for s, d in zip(live, _propose_all(runtime, live, lengths),
+                                                 strict=True)]
     # 2. Pack every member's new tokens (decodes first, then prompt chunks) into one pass.
     chunks = _chunks(live, drafts, max_tokens, prefill_share)
     members = [b for b, s in enumerate(live) if not s.error and
@@ -254,9 +257,9 @@ def _processed(live: list[Sequence], drafts: list[Draft | None], trees: list[Tok
     """The wanted rows' logits [R, V] through each member's `forerun.processors` options, a
     verify's row under the committed tokens plus the draft's path to it (as if the path had
     been generated), a prompt's last row under the prompt."""
-    if not any(s.sampling.processing.active for s in live):
+    if not any(s.sampling.processing.active or s.grammar for s in live):
         return logits
-    configs, histories, starts = [], [], []
+    configs, histories, starts, allowed = [], [], [], []
     for s, d, tree, span in zip(live, drafts, trees, spans, strict=True):
         cfg = s.sampling.processing
         if not cfg.active:
@@ -270,7 +273,32 @@ def _processed(live: list[Sequence], drafts: list[Draft | None], trees: list[Tok
         configs += [cfg] * len(span)
         histories += rows
         starts += [len(s.prompt)] * len(span)
-    return process_rows(logits, configs, histories, starts)
+        if s.grammar is None or not span:
+            allowed.append(torch.ones(len(span), logits.shape[-1], dtype=torch.bool))
+        else:  # the grammar's mask at each row, the draft's path to it consumed
+            allowed.append(s.grammar.masks([] if d is None else d.tokens.tolist(),
+                                           [] if d is None else [tree.path(i) for i in
+                                                                 range(len(tree))]))
+    logits = process_rows(logits, configs, histories, starts)  # [R, V]
+    if not any(s.grammar for s in live):
+        return logits
+    return apply_masks(logits, torch.cat(allowed))
+
+
+def _grammar_cut(s: Sequence, d: Draft | None) -> Draft | None:
+    """A draft without its grammar-invalid nodes (a chain: its longest valid prefix)."""
+    if s.grammar is None or d is None or not len(d.tokens):
+        return d
+    parents = None if d.parents is None else d.parents.tolist()
+    kept = s.grammar.cut(d.tokens.tolist(), parents)
+    if len(kept) == len(d.tokens):
+        return d
+    if parents is None or kept == list(range(len(kept))):  # a prefix: still a tree
+        return d.fit(len(kept))
+    index = {old: new for new, old in enumerate(kept)}
+    at = torch.tensor(kept, dtype=torch.long)
+    return Draft(d.tokens[at], None if d.q is None else d.q[at],
+                 torch.tensor([-1 if parents[i] < 0 else index[parents[i]] for i in kept]))
 
 
 def _draft_tokens(d: Draft | None) -> torch.Tensor:
@@ -390,6 +418,10 @@ def _emit(runtime: BatchRuntime, s: Sequence, tokens: list[int], drafted: int,
     room = runtime.capacity - len(s.prompt) - s.emitted
     emitted, s.finish = cut(tokens, s.stop_ids, s.max_new_tokens - s.emitted, room)
     s.emitted += len(emitted)
+    if s.grammar is not None:
+        s.grammar.commit([t for t in emitted if t not in s.stop_ids])
+        if s.finish is None and s.grammar.done:  # the grammar allows nothing more
+            s.finish = "stop"
     result = Step(emitted, drafted, accepted, now, s.finish, prefill=prefill,
                   logprobs=None if logprobs is None else tuple(logprobs[:len(emitted)]))
     s.steps.append(result)

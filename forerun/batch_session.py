@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from forerun.batch_engine import PREFILL_SHARE, Sequence, admit, reads_prompt, retire, step
 from forerun.batch_policy import BatchCost, BatchCostPolicy
+from forerun.grammar import state_for
 from forerun.heads import KINDS
 from forerun.metrics import Step
 from forerun.models.catalog import ModelError
@@ -83,7 +84,9 @@ class BatchSession:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         sampling.processing.check_vocab(engine.target.config.vocab_size)
         seq = Sequence(ids, sampling, max_tokens, make_generator(sampling.seed),
-                       engine.tokenizer.stop_ids, logprobs=logprobs)
+                       engine.tokenizer.stop_ids, logprobs=logprobs,
+                       grammar=state_for(sampling.grammar, engine.tokenizer,
+                                         engine.target.config.vocab_size))
         if spec.method == "none":
             return seq
         seq.max_k = max_nodes(spec)

@@ -18,6 +18,7 @@ from collections.abc import Collection, Iterator
 import torch
 
 from forerun.batch_engine import Sequence, admit, retire, step
+from forerun.grammar import GrammarState
 from forerun.metrics import Step
 from forerun.policy import LengthPolicy
 from forerun.propose.base import Proposer
@@ -29,15 +30,16 @@ from forerun.sampling import SamplingConfig
 def speculative_decode(target: Runtime, proposer: Proposer | None, policy: LengthPolicy | None,
                        prompt: list[int], sampling: SamplingConfig, max_new_tokens: int,
                        stop_ids: Collection[int], generator: torch.Generator,
-                       logprobs: int | None = None) -> Iterator[Step]:
+                       logprobs: int | None = None, grammar: GrammarState | None = None
+                       ) -> Iterator[Step]:
     """Decode `prompt` on `target` with `proposer` drafting (None: plain decoding through the
     same step) and `policy` choosing each step's k -> its Steps as they happen (the first is
     the prefill's token); `logprobs`: each Step carries its tokens' logprobs with that many
-    alternatives (None: none)."""
+    alternatives (None: none); `grammar`: the output is held to it (structured output)."""
     solo = SoloBatch(target)
     seq = Sequence(prompt, sampling, max_new_tokens, generator, stop_ids, proposer, policy,
                    max_k=target.capacity,  # a solo sequence's drafts are bounded by its room
-                   logprobs=logprobs)
+                   logprobs=logprobs, grammar=grammar)
     admit(solo, seq)
     try:
         while not seq.finish:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from forerun.grammar import Grammar
 from forerun.processors import NONE, Processing
 
 
@@ -32,6 +33,7 @@ class SamplingConfig:
     # penalties and logit bias: they read the history, so the batch step applies them to the
     # logits (`forerun.processors`) before the transforms here
     processing: Processing = NONE
+    grammar: Grammar | None = None  # structured output: the batch step masks every row
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
