@@ -99,6 +99,8 @@ def admit(runtime: BatchRuntime, seq: Sequence, reserve: int | None = None) -> N
     PoolFull when it does not fit now. A preempted member keeps its drafter's state."""
     check_prompt(seq.prompt, runtime.capacity)
     seq.handle = runtime.add(min(reserve or seq.slots(), seq.slots(), runtime.capacity))
+    if seq.grammar is not None and seq.proposer is not None and seq.proposer.needs.grammar:
+        seq.proposer.constrain(seq.grammar)  # it drafts under the sequence's grammar
     if seq.proposer is not None and seq.resume is None:
         try:
             seq.proposer.prefill(seq.prompt)  # a shared drafter reserves its region here

@@ -16,6 +16,8 @@ Under speculation (the batch step calls these):
    of node i after consuming the path to it (then rolled back), so position i sees tokens < i
    as if they had been generated;
 3. `commit` consumes the tokens the step emitted.
+A drafter that declares `Needs.grammar` (the draft model) is handed the state and masks its own
+q with `draft_mask`, so its drafts are valid and accepted as often as unconstrained ones.
 The mask sets forbidden logits to -inf before any other transform, so the target's processed p
 is plain decoding's under the grammar, and rejection sampling against it stays exact.
 """
@@ -126,6 +128,17 @@ class GrammarState:
             rows.append(self._mask())
             self.matcher.rollback(len(ids))
         return torch.from_numpy(np.stack(rows))
+
+    def draft_mask(self, drafted: list[int]) -> torch.Tensor | None:
+        """[V] bool: the tokens allowed after the committed ones and `drafted` (a drafter's
+        next position), or None where nothing may follow (drafting stops there)."""
+        consumed = self.matcher.try_consume_tokens(drafted)
+        if consumed != len(drafted):
+            self.matcher.rollback(consumed)
+            return None
+        mask = None if self.matcher.is_stopped() else self._mask()
+        self.matcher.rollback(len(drafted))
+        return None if mask is None or not mask.any() else torch.from_numpy(mask)
 
     def commit(self, tokens: list[int]) -> None:
         """Consume the emitted tokens; a token the grammar refuses is an engine bug."""

@@ -1,6 +1,7 @@
 """OpenAI sampling features through `forerun serve` under speculation, with the real `openai`
 client: logprobs (streaming and not, chat and completions), presence / frequency / repetition
-penalties and logit_bias.
+penalties and logit_bias, structured output (`response_format` json_object / json_schema, a
+pydantic model through the client's `parse`, vLLM's `structured_outputs` regex and grammar).
 
 The server is tests/test_serve.py's (the real CLI in a subprocess, draft-model speculation
 k = 3 always, tiny float64 models); every answer is checked against plain decoding of the same
@@ -11,7 +12,11 @@ tests/test_logprobs.py).
 
 from __future__ import annotations
 
+import json
+from typing import Literal
+
 import pytest
+from pydantic import BaseModel
 from test_serve import (  # noqa: F401  (fixtures)
     NAME,
     client,
@@ -21,6 +26,7 @@ from test_serve import (  # noqa: F401  (fixtures)
 )
 
 from forerun import Engine, LoadConfig, SpecConfig
+from forerun.grammar import Grammar
 from forerun.processors import Processing
 from forerun.sampling import SamplingConfig
 
@@ -133,3 +139,79 @@ def test_a_strong_bias_forces_its_token(server, plain):  # noqa: F811
                                          "temperature": 0, "logit_bias": {str(token): 100}})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == text * 6
+
+
+# --- structured output: response_format and structured_outputs ----------------------------------
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog", "owl"]
+    legs: Literal[2, 4]
+    indoor: bool
+
+
+REGEX = r"(ab|ba)+c[0-9]{2}"
+
+
+def test_a_pydantic_response_format_comes_back_parsed(server):  # noqa: F811
+    """The openai client's `parse` (a strict json_schema): the parsed object, under the
+    server's draft speculation."""
+    c = client(server)
+    for prompt in ("a pet", "another pet"):
+        out = c.chat.completions.parse(model=NAME, response_format=Pet, max_tokens=40,
+                                       temperature=0,
+                                       messages=[{"role": "user", "content": prompt}])
+        assert isinstance(out.choices[0].message.parsed, Pet)
+        assert out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("speculation", SPECS)
+def test_structured_outputs_equal_plain_decoding_under_the_same_grammar(server, plain,  # noqa: F811
+                                                                        speculation):
+    import re
+
+    c = client(server)
+    extra = {"structured_outputs": {"regex": REGEX}}
+    if speculation is not None:
+        extra["speculation"] = speculation
+    for prompt in PROMPTS:
+        want = plain(prompt, sampling=SamplingConfig(grammar=Grammar("regex", REGEX)))
+        got = c.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+                                   temperature=0, extra_body=extra).choices[0]
+        assert got.text == want.text
+        if got.finish_reason == "stop":  # (else cut by max_tokens: a prefix of a match)
+            assert re.fullmatch(REGEX, got.text)
+
+
+def test_json_object_and_schema_on_completions_and_chat(server):  # noqa: F811
+    c = client(server)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}
+    r = c.completions.create(model=NAME, prompt="{", max_tokens=30, temperature=0,
+                             extra_body={"response_format": {"type": "json_schema",
+                                                             "json_schema": {"name": "x",
+                                                                             "schema": schema}}})
+    assert json.loads(r.choices[0].text) in ({"ok": True}, {"ok": False})
+    stream = c.chat.completions.create(model=NAME, max_tokens=MAX_TOKENS, temperature=0,
+                                       messages=[{"role": "user", "content": "json"}],
+                                       response_format={"type": "json_object"}, stream=True)
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text.startswith("{")
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "not one of"),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs", "does not"),
+    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs", "does not"),
+    ({"structured_outputs": {"regex": "a", "grammar": "start: \"a\""}}, "structured_outputs",
+     "exactly one"),
+    ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs.choice", ""),
+])
+def test_bad_structured_output_requests_are_clear_400s(server, fields, param, message):  # noqa: F811
+    r = post(server, "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 4} | fields)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"]
+    assert post(server, "/v1/completions", {"model": NAME, "prompt": "x",
+                                            "max_tokens": 2}).status_code == 200

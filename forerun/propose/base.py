@@ -57,6 +57,8 @@ class Needs:
     extra_rows: int = 0  # rows it adds to each verify pass beyond its draft (Lookahead, Jacobi
     # will); the engine keeps context room for them. 0 for every drafter so far
     shared_store: bool = False  # keeps state in ProposerContext.stores (across its proposers)
+    grammar: bool = False  # drafts under the sequence's grammar: handed its state through
+    # `constrain` at admission (structured output), it masks its own q
 
     def hidden_from(self, prompt_len: int) -> int:
         """The first prompt row whose features it reads (the target returns those only)."""
@@ -132,6 +134,15 @@ class Proposer(Protocol):
 
     def commit(self, num_final: int) -> None:
         """The first `num_final` tokens of the sequence are final; forget anything after them."""
+        ...
+
+
+class ConstrainedProposer(Proposer, Protocol):
+    """A proposer that drafts under the sequence's grammar (`needs.grammar`)."""
+
+    def constrain(self, grammar) -> None:
+        """The sequence's `forerun.grammar.GrammarState`, at admission: each drafted position
+        masks q with `grammar.draft_mask(drafted so far)`."""
         ...
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from forerun.grammar import GrammarState, apply_masks
 from forerun.processors import process_row
 from forerun.propose.base import Draft, DraftRequest, Needs
 from forerun.runtime.batch import BatchRuntime, PackedBatch
@@ -41,6 +42,8 @@ class SharedDraftModel:
                  for i, r in enumerate(requests) if r.k > 0}  # [M_i >= 1]
         for depth in range(max((r.k for r in requests), default=0)):
             members = [i for i in feeds if requests[i].k > depth]
+            if not members:  # (each left: its k reached, or its grammar allows nothing more)
+                break
             batch = PackedBatch.of([(requests[i].proposer.handle, feeds[i]) for i in members],
                                    last_only=True)
             logits = self._to_target_vocab(self.runtime.forward(batch).logits)  # [B, V]
@@ -48,13 +51,19 @@ class SharedDraftModel:
             for row, i in enumerate(members):
                 r = requests[i]
                 row_logits = logits[row]  # [V]
+                shaped = r.sampling.processing.active or r.proposer.grammar is not None
                 if r.sampling.processing.active:  # q shaped as the target's p is
                     history = [*r.tokens, *(int(t) for t in drafted[i])]
                     row_logits = process_row(row_logits, r.sampling.processing, history,
                                              r.proposer.prompt_length)
+                if r.proposer.grammar is not None:  # only tokens the grammar allows there
+                    allowed = r.proposer.grammar.draft_mask([int(t) for t in drafted[i]])
+                    if allowed is None:  # nothing may follow: this member's draft ends
+                        feeds.pop(i)
+                        continue
+                    row_logits = apply_masks(row_logits[None], allowed[None])[0]
                 if r.sampling.greedy:  # its one-hot row's token; q = None says just that
-                    token = (row_logits.argmax(-1).cpu() if r.sampling.processing.active
-                             else best[row])
+                    token = row_logits.argmax(-1).cpu() if shaped else best[row]
                 else:
                     probs = logits_to_probs(row_logits.cpu(), r.sampling)  # [V]
                     token = sample(probs, r.generator)
@@ -83,12 +92,16 @@ class PooledDraft:
     """One member's draft-model proposer; `group` batches its drafting with the others'."""
 
     name = "draft"
-    needs = Needs()  # the tokens alone
+    needs = Needs(grammar=True)  # the tokens alone; masks its q under a grammar
 
     def __init__(self, group: SharedDraftModel, slots: int):
         self.group, self.slots, self.handle = group, slots, -1
         self.runtime = group.runtime.single  # the drafter's one-sequence view (its cost curve)
         self.prompt_length = 0  # where its sequence's output starts (the penalties' history)
+        self.grammar: GrammarState | None = None  # its sequence's, under structured output
+
+    def constrain(self, grammar: GrammarState) -> None:
+        self.grammar = grammar
 
     def prefill(self, prompt: list[int]) -> None:
         """Reserve the member's region; the prompt is fed at its first draft round."""

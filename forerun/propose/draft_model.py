@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from forerun.grammar import GrammarState, apply_masks
 from forerun.processors import process_row
 from forerun.propose.base import Draft, Needs
 from forerun.runtime.base import Runtime
@@ -21,11 +22,15 @@ from forerun.sampling import logits_to_probs, sample
 class DraftModelProposer:
     name = "draft"
     group = None  # drafts alone, through propose
-    needs = Needs()  # the tokens alone (its own model, its own cache)
+    needs = Needs(grammar=True)  # the tokens alone (its own model and cache); masks its q
 
     def __init__(self, runtime: Runtime, target_vocab_size: int):
         self.runtime, self.vocab_size = runtime, target_vocab_size
         self.prompt_length = 0  # where the sequence's output starts (the penalties' history)
+        self.grammar: GrammarState | None = None  # the sequence's, under structured output
+
+    def constrain(self, grammar: GrammarState) -> None:
+        self.grammar = grammar
 
     def prefill(self, prompt: list[int]) -> None:
         self.prompt_length = len(prompt)
@@ -44,6 +49,11 @@ class DraftModelProposer:
             if sampling.processing.active:  # q shaped as the target's p is
                 logits = process_row(logits, sampling.processing,
                                      [*tokens, *(int(t) for t in drafted)], self.prompt_length)
+            if self.grammar is not None:  # only tokens the grammar allows there
+                allowed = self.grammar.draft_mask([int(t) for t in drafted])  # [V]
+                if allowed is None:
+                    break
+                logits = apply_masks(logits[None], allowed[None])[0]
             if sampling.greedy:  # its one-hot row's token; q = None says just that
                 token = logits.argmax(-1)
             else:
@@ -52,6 +62,8 @@ class DraftModelProposer:
                 q.append(probs)
             drafted.append(token)
             missing = token.view(1)
+        if not drafted:
+            return Draft.empty()
         return Draft(torch.stack(drafted), torch.stack(q) if q else None)  # [K], [K, V]
 
     def commit(self, num_final: int) -> None:

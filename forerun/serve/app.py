@@ -37,12 +37,9 @@ from forerun.heads import KINDS as HEAD_KINDS
 from forerun.metrics import TokenLogprob
 from forerun.models.catalog import ModelError
 from forerun.policy import POLICIES
-from forerun.processors import Processing, ProcessingError
 from forerun.propose import PROPOSERS, SpecConfig
-from forerun.sampling import SamplingConfig, SamplingError
 from forerun.serve.limits import DISCONNECT_POLL_S, MAX_BODY_BYTES, MAX_TOKENS_LIMIT
 from forerun.serve.protocol import (
-    GREEDY_BELOW,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -55,6 +52,7 @@ from forerun.serve.protocol import (
     unsupported,
     usage,
 )
+from forerun.serve.request_sampling import request_sampling
 from forerun.serve.worker import (
     Busy,
     Delta,
@@ -68,7 +66,6 @@ from forerun.serve.worker import (
 )
 
 log = logging.getLogger("forerun.serve")
-OPENAI_TEMPERATURE = 1.0  # OpenAI's default when a request gives none
 PATHS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
@@ -189,34 +186,10 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
                            code="context_length_exceeded")
         return asked
 
-    def processing(body: CompletionRequest | ChatRequest) -> Processing:
-        """Penalties and logit bias (token ids as strings, OpenAI's form), each checked."""
-        bias: dict[int, float] = {}
-        for key, value in (body.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
-                raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab}), got "
-                               f"{key!r}", param="logit_bias")
-            bias[int(key)] = value
-        try:
-            return Processing.of(1.0 if body.repetition_penalty is None
-                                 else body.repetition_penalty, body.presence_penalty or 0.0,
-                                 body.frequency_penalty or 0.0, bias)
-        except ProcessingError as e:
-            param = next((f for f in ("repetition_penalty", "presence_penalty",
-                                      "frequency_penalty", "logit_bias") if f in str(e)), None)
-            raise APIError(400, str(e), param=param) from e
-
     async def generate(request: Request, body: CompletionRequest | ChatRequest, ids: list[int],
                        shape: Shape) -> Response:
         max_tokens = budget(body, ids)
-        temperature = OPENAI_TEMPERATURE if body.temperature is None else body.temperature
-        try:
-            sampling = SamplingConfig(
-                temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-                top_k=max(0, body.top_k or 0), top_p=1.0 if body.top_p is None else body.top_p,
-                min_p=body.min_p or 0.0, seed=body.seed, processing=processing(body))
-        except SamplingError as e:
-            raise APIError(400, str(e)) from e
+        sampling = request_sampling(body, engine.tokenizer, vocab)
         spec, stream_stats = resolve_spec(body.speculation, engine.spec,
                                           has_draft=engine.draft is not None,
                                           heads=engine.heads.cfg.kind if engine.heads else None)

@@ -13,6 +13,7 @@ As in vLLM, a temperature below GREEDY_BELOW is greedy (dividing logits by it wo
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from forerun.grammar import Grammar
 from forerun.metrics import TokenLogprob
 from forerun.serve.limits import MAX_K, MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP, MAX_STOP_CHARS
 
@@ -91,6 +93,8 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     speculation: Speculation | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("speculation", mode="before")
     @classmethod
@@ -100,6 +104,15 @@ class _Sampling(BaseModel):
                 raise ValueError('must be "off" or an object such as {"method": "ngram", "k": 4}')
             return {"method": "none"}
         return value
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's extension: exactly one of a JSON schema, a regex, a grammar (Lark or GBNF)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -127,7 +140,6 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 def unsupported(req: CompletionRequest | ChatRequest) -> None:
@@ -138,12 +150,42 @@ def unsupported(req: CompletionRequest | ChatRequest) -> None:
                    ("suffix", req.suffix is not None, "suffix is not supported"),
                    ("best_of", req.best_of not in (None, 1, req.n), "best_of is not supported")]
     else:
-        checks += [("tools", bool(req.tools), "tools are not supported"),
-                   ("response_format", (req.response_format or {}).get("type", "text") != "text",
-                    "response_format other than text is not supported")]
+        checks += [("tools", bool(req.tools), "tools are not supported")]
     for param, refused, message in checks:
         if refused:
             raise APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def grammar_wanted(req: CompletionRequest | ChatRequest) -> Grammar | None:
+    """The grammar the output must match: `response_format` (json_object, json_schema) or
+    `structured_outputs` (json, regex, grammar); None for free text."""
+    fmt, extra = req.response_format or {"type": "text"}, req.structured_outputs
+    kind = fmt.get("type", "text")
+    if kind != "text" and extra is not None:
+        raise APIError(400, "give response_format or structured_outputs, not both",
+                       param="structured_outputs")
+    if kind == "json_object":
+        return Grammar("json_object")
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs json_schema.schema, an "
+                           "object", param="response_format")
+        return Grammar("json_schema", json.dumps(schema))
+    if kind != "text":
+        raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, "
+                       "json_schema", param="response_format")
+    if extra is None:
+        return None
+    given = [(k, v) for k, v in (("json", extra.json_), ("regex", extra.regex),
+                                 ("grammar", extra.grammar)) if v is not None]
+    if len(given) != 1:
+        raise APIError(400, "structured_outputs takes exactly one of json, regex, grammar",
+                       param="structured_outputs")
+    (key, value), = given
+    if key == "json":
+        return Grammar("json_schema", json.dumps(value))
+    return Grammar(key, value)
 
 
 def logprobs_wanted(req: CompletionRequest | ChatRequest) -> int | None:
