@@ -31,7 +31,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "grammar"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "grammar", "lark"]
 
 
 class GrammarError(ValueError):
@@ -55,8 +55,10 @@ class Grammar:
                 return llguidance.LLMatcher.grammar_from_json_schema(self.source)
             if self.kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(self.source)
-            if self.kind == "grammar":
+            if self.kind == "grammar":  # Lark or GBNF, told apart by llguidance
                 return llguidance.grammar_from("grammar", self.source)
+            if self.kind == "lark":  # Lark as it is (llguidance's extensions: %json)
+                return llguidance.LLMatcher.grammar_from_lark(self.source)
         except ValueError as e:
             raise GrammarError(f"the {self.kind} does not parse: {e}") from e
         raise GrammarError(f"unknown grammar kind {self.kind!r}")

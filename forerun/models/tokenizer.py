@@ -68,14 +68,16 @@ class TextTokenizer:
         """One token's own text, special tokens included (a logprob's `token`)."""
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if self.chat_template is None:
             raise ModelError("this model has no chat template; use --raw to send the prompt as is")
         if self._template is None:
             self._template = compile_template(self.chat_template)
         return render(self._template, messages=messages,
                       add_generation_prompt=add_generation_prompt,
-                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                      **({"tools": tools} if tools else {}))
 
     def encode_prompt(self, prompt: str, *, raw: bool = False, system: str | None = None) -> list:
         """Token ids for a user prompt: through the chat template unless `raw`."""
@@ -85,11 +87,16 @@ class TextTokenizer:
             {"role": "user", "content": prompt}]
         return self.encode_chat(messages)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids for a whole conversation (`[{"role": ..., "content": ...}, ...]`) through
-        the chat template, ending where the assistant's next reply begins."""
+        the chat template (with `tools` where its template renders them), ending where the
+        assistant's next reply begins."""
         # The template writes BOS itself where the model wants it.
-        return self.encode(self.apply_chat_template(messages), add_special=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special=False)
+
+    def renders_tools(self) -> bool:
+        """Its chat template reads a `tools` variable (a tool-calling model's)."""
+        return self.chat_template is not None and "tools" in self.chat_template
 
 
 class IncrementalDecoder:

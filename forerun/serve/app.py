@@ -53,6 +53,7 @@ from forerun.serve.protocol import (
     usage,
 )
 from forerun.serve.request_sampling import request_sampling
+from forerun.serve.tools import ToolText, check_tools, parse_calls
 from forerun.serve.worker import (
     Busy,
     Delta,
@@ -159,8 +160,12 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
         return engine.tokenizer.token_text(token)
 
     def chat_ids(body: ChatRequest) -> list[int]:
+        tools = None if body.tool_choice == "none" else check_tools(body.tools)
+        if tools and not engine.tokenizer.renders_tools():
+            raise APIError(400, "this model's chat template does not render tools",
+                           param="tools")
         try:
-            return engine.tokenizer.encode_chat(chat_messages(body.messages))
+            return engine.tokenizer.encode_chat(chat_messages(body.messages), tools)
         except (ModelError, jinja2.TemplateError) as e:
             raise APIError(400, str(e), param="messages") from e
 
@@ -194,6 +199,8 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
                                           has_draft=engine.draft is not None,
                                           heads=engine.heads.cfg.kind if engine.heads else None)
         stop, n, logprobs = stop_strings(body.stop), body.n or 1, logprobs_wanted(body)
+        tools = (isinstance(body, ChatRequest) and bool(body.tools)
+                 and body.tool_choice != "none")  # calls are read out of the text
         loop, queue = asyncio.get_running_loop(), asyncio.Queue[Event]()
 
         def emit(event: Event) -> None:
@@ -216,10 +223,10 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = stream_events(queue, shape, n, len(ids), include_usage, stream_stats,
-                                   logprobs is not None)
+                                   logprobs is not None, tools)
             return EventStream(events, on_close=cancel)
         try:
-            return await collect(request, queue, shape, n, len(ids), logprobs is not None)
+            return await collect(request, queue, shape, n, len(ids), logprobs is not None, tools)
         finally:
             cancel()  # finished jobs ignore it; a client gone or an error frees the slots
 
@@ -259,7 +266,7 @@ def resolve_spec(field: Speculation | None, default: SpecConfig, *, has_draft: b
 
 
 async def collect(request: Request, queue: asyncio.Queue[Event], shape: Shape, n: int,
-                  prompt_tokens: int, asked: bool = False) -> Response:
+                  prompt_tokens: int, asked: bool = False, tools: bool = False) -> Response:
     """A whole (non-streaming) response (with logprobs where `asked`); gives up when the
     client goes away."""
     texts: list[list[str]] = [[] for _ in range(n)]
@@ -285,15 +292,21 @@ async def collect(request: Request, queue: asyncio.Queue[Event], shape: Shape, n
             logprobs[event.index].extend(event.step.logprobs or ())
         else:
             done[event.index] = event
-    choices = [shape.choice(i, "".join(texts[i]), done[i].finish_reason, done[i].stats.to_dict(),
-                            logprobs[i] if asked else None) for i in range(n)]
+    choices = []
+    for i in range(n):
+        text, calls = "".join(texts[i]), []
+        if tools:
+            text, calls = parse_calls(text)
+        choices.append(shape.choice(i, text, "tool_calls" if calls else done[i].finish_reason,
+                                    done[i].stats.to_dict(), logprobs[i] if asked else None,
+                                    calls))
     completion_tokens = sum(d.completion_tokens for d in done.values())
     return JSONResponse(shape.response(choices, usage(prompt_tokens, completion_tokens)))
 
 
 async def stream_events(queue: asyncio.Queue[Event], shape: Shape, n: int, prompt_tokens: int,
-                        include_usage: bool, stream_stats: bool, logprobs: bool = False
-                        ) -> AsyncIterator[str]:
+                        include_usage: bool, stream_stats: bool, logprobs: bool = False,
+                        tools: bool = False) -> AsyncIterator[str]:
     """Server-sent events: text deltas (with their tokens' logprobs when asked), one finishing
     chunk per choice (with its speculation stats), the usage chunk when asked, then [DONE]."""
     if shape.chat:
@@ -301,6 +314,7 @@ async def stream_events(queue: asyncio.Queue[Event], shape: Shape, n: int, promp
             yield sse(shape.chunk(i, "", role=True))
     done: dict[int, Done] = {}
     chars = [0] * n  # text sent so far per choice (the completions' text_offset)
+    split = [ToolText() for _ in range(n)] if tools else None  # content vs tool calls
     while len(done) < n:
         event = await queue.get()
         if isinstance(event, Failed):
@@ -308,19 +322,35 @@ async def stream_events(queue: asyncio.Queue[Event], shape: Shape, n: int, promp
             break
         if isinstance(event, Delta):
             lps = shape.logprobs(event.step.logprobs, chars[event.index]) if logprobs else None
-            if event.text or stream_stats or (lps is not None and event.step.tokens):
-                yield sse(shape.chunk(event.index, event.text,
+            text, calls = event.text, []
+            if split is not None:
+                text, calls = split[event.index].push(text)
+            if text or calls or stream_stats or (lps is not None and event.step.tokens):
+                yield sse(shape.chunk(event.index, text,
                                       speculation=event.stats if stream_stats else None,
-                                      logprobs=lps))
+                                      logprobs=lps, tool_calls=_indexed(calls, split, event)))
             chars[event.index] += len(event.text)
             continue
         done[event.index] = event
-        yield sse(shape.chunk(event.index, None, event.finish_reason, event.stats.to_dict()))
+        reason = event.finish_reason
+        if split is not None:
+            if rest := split[event.index].finish():
+                yield sse(shape.chunk(event.index, rest))
+            reason = "tool_calls" if split[event.index].calls else reason
+        yield sse(shape.chunk(event.index, None, reason, event.stats.to_dict()))
     else:
         if include_usage:
             completion_tokens = sum(d.completion_tokens for d in done.values())
             yield sse(shape.usage_chunk(usage(prompt_tokens, completion_tokens)))
     yield "data: [DONE]\n\n"
+
+
+def _indexed(calls: list[dict], split: list[ToolText] | None, event: Delta) -> list[dict]:
+    """Stream deltas of completed calls, each with its index among the choice's calls."""
+    if not calls or split is None:
+        return []
+    first = len(split[event.index].calls) - len(calls)
+    return [{"index": first + j, **call} for j, call in enumerate(calls)]
 
 
 def sse(body: dict) -> str:

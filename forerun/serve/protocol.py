@@ -13,6 +13,7 @@ As in vLLM, a temperature below GREEDY_BELOW is greedy (dividing logits by it wo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -132,6 +133,8 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message's answer to one
 
 
 class ChatRequest(_Sampling):
@@ -140,6 +143,7 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 def unsupported(req: CompletionRequest | ChatRequest) -> None:
@@ -149,8 +153,6 @@ def unsupported(req: CompletionRequest | ChatRequest) -> None:
         checks += [("echo", bool(req.echo), "echo is not supported"),
                    ("suffix", req.suffix is not None, "suffix is not supported"),
                    ("best_of", req.best_of not in (None, 1, req.n), "best_of is not supported")]
-    else:
-        checks += [("tools", bool(req.tools), "tools are not supported")]
     for param, refused, message in checks:
         if refused:
             raise APIError(400, message, param=param, code="unsupported_parameter")
@@ -219,8 +221,21 @@ def chat_messages(messages: list[Message]) -> list[dict]:
         content = m.content if isinstance(m.content, str) or m.content is None else "".join(
             part.text for part in m.content)
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content or ""} | ({"name": m.name} if m.name else {}))
+        msg = {"role": role, "content": content or ""} | ({"name": m.name} if m.name else {})
+        if m.tool_calls:  # templates read function.arguments as an object
+            msg["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
     return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        with contextlib.suppress(json.JSONDecodeError):  # else written as it is
+            fn["arguments"] = json.loads(fn["arguments"])
+    return {**call, "function": fn}
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -240,10 +255,11 @@ class Shape:
         return self._head("chat.completion" if self.chat else "text_completion") | {
             "choices": choices, "usage": usage}
 
-    def choice(self, index: int, text: str, finish_reason: str, speculation: dict,
-               logprobs: Sequence[TokenLogprob] | None = None) -> dict:
-        body = ({"message": {"role": "assistant", "content": text}} if self.chat
-                else {"text": text})
+    def choice(self, index: int, text: str | None, finish_reason: str, speculation: dict,
+               logprobs: Sequence[TokenLogprob] | None = None,
+               tool_calls: list[dict] | None = None) -> dict:
+        body = ({"message": {"role": "assistant", "content": text} | (
+            {"tool_calls": tool_calls} if tool_calls else {})} if self.chat else {"text": text})
         return {"index": index, **body, "logprobs": self.logprobs(logprobs),
                 "finish_reason": finish_reason, "speculation": speculation}
 
@@ -266,10 +282,11 @@ class Shape:
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None,
               speculation: dict | None = None, role: bool = False,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | (
-                {"content": text} if text is not None else {})
+                {"content": text} if text is not None else {}) | (
+                {"tool_calls": tool_calls} if tool_calls else {})
             choice = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}

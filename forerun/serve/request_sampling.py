@@ -3,7 +3,8 @@
 Owns: temperature (OpenAI's default 1, greedy below GREEDY_BELOW), top-k / top-p / min-p, the
 penalties and logit bias (`forerun.processors`; logit_bias keys are token ids as strings, as
 OpenAI sends them) and the grammar of structured output (`forerun.grammar`, compiled here once
-so that a bad one is a 400 before anything is queued). Every refusal names its field.
+so that a bad one is a 400 before anything is queued; a tool_choice that forces a call is a
+grammar too, `forerun.serve.tools`). Every refusal names its field.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from forerun.serve.protocol import (
     CompletionRequest,
     grammar_wanted,
 )
+from forerun.serve.tools import check_tools, tool_choice_grammar
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default when a request gives none
 PENALTY_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
@@ -55,12 +57,20 @@ def processing(body: CompletionRequest | ChatRequest, vocab: int) -> Processing:
 
 def grammar(body: CompletionRequest | ChatRequest, tokenizer: TextTokenizer,
             vocab: int) -> Grammar | None:
-    """The request's grammar, compiled against the model's tokenizer (a bad one: 400)."""
+    """The request's grammar, compiled against the model's tokenizer (a bad one: 400): its
+    structured output's, or the one its tool_choice forces."""
     wanted = grammar_wanted(body)
+    if isinstance(body, ChatRequest):
+        forced = tool_choice_grammar(check_tools(body.tools), body.tool_choice)
+        if forced is not None and wanted is not None:
+            raise APIError(400, "a tool_choice that forces a call takes no response_format",
+                           param="tool_choice")
+        wanted = wanted or forced
     if wanted is not None:
         try:
             state_for(wanted, tokenizer, vocab)
         except GrammarError as e:
-            raise APIError(400, str(e), param="response_format" if body.response_format
-                           else "structured_outputs") from e
+            param = ("response_format" if body.response_format else "structured_outputs"
+                     if body.structured_outputs else "tool_choice")
+            raise APIError(400, str(e), param=param) from e
     return wanted
