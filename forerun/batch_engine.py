@@ -5,19 +5,23 @@ length policy, generator, sampling, limits), and `step`, the phases of one pass 
 
   1. propose   each decoding member drafts up to its k (its policy's choice, or the batch's;
                k = 0 is a plain decoding step); a new member's prompt is its prefill. A
-               member whose drafter raises fails alone (`Sequence.error`), out of the pass
+               member whose drafter raises fails alone (`Sequence.error`), out of the pass;
+               under a grammar a draft keeps only its valid nodes
   2. pack      every member's new tokens into one PackedBatch (pending token + draft; a tree
                with its mask and depths); under a token budget (`max_tokens`), decode rows
                first and prompts in chunks with what is left (at least `prefill_share` of
                it), so a long prompt never stalls the decodes around it
   3. forward   one target pass over all of them
-  4. verify    each member on its own rows: greedy from one argmax over the batch; sampled
+  4. verify    each member on its own rows, penalties, logit bias and grammar masks applied
+               with each row's history (its draft path included): greedy from one argmax
+               over the batch; sampled
                members through one probability transform and one batched rejection sampler,
                each with its own generator (seeded requests reproduce whatever they are
                batched with)
   5. commit    each member's cache keeps its accepted path; its drafter forgets the rest
   6. adapt     each member's policy sees what was accepted
-  7. emit      stop tokens, token budgets and context room, as the one-sequence loop
+  7. emit      stop tokens, token budgets and context room, as the one-sequence loop (the
+               grammar consumes what is emitted; logprobs from the raw rows where asked)
 
 Cache invariant (as in `forerun.engine`): before a decoding member's verify, the target's
 cache holds every token of the sequence but the last (the pending token). A member's drafter
@@ -256,9 +260,10 @@ def _verify_all(live: list[Sequence], drafts: list[Draft | None], trees: list[To
 
 def _processed(live: list[Sequence], drafts: list[Draft | None], trees: list[TokenTree | None],
                spans: list[range], logits: torch.Tensor) -> torch.Tensor:
-    """The wanted rows' logits [R, V] through each member's `forerun.processors` options, a
-    verify's row under the committed tokens plus the draft's path to it (as if the path had
-    been generated), a prompt's last row under the prompt."""
+    """The wanted rows' logits [R, V] through each member's `forerun.processors` options and
+    its grammar's mask (`forerun.grammar`), a verify's row under the committed tokens plus the
+    draft's path to it (as if the path had been generated), a prompt's last row under the
+    prompt."""
     if not any(s.sampling.processing.active or s.grammar for s in live):
         return logits
     configs, histories, starts, allowed = [], [], [], []

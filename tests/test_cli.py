@@ -49,11 +49,29 @@ def test_streaming_prints_text_and_stats():
     (["--target", "no-such-model"], "known models: gemma3-270m"),
     (["--target", "./nope.gguf"], "no such file"),
     (["--draft", "gemma3-270m"], "vocabulary mismatch"),
+    (["--presence-penalty", "5"], "presence_penalty must be in [-2, 2]"),
+    (["--logit-bias", "999999=1"], "outside the vocabulary"),
+    (["--json-schema", "./nope.json"], "No such file"),
+    (["--regex", "("], "does not"),
+    (["--regex", "a", "--grammar", "g.lark"], "give one of"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
     r = forerun("generate", *SMOL, "--max-tokens", "4", *args, "hi")
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_structured_output_and_penalties_from_the_command_line():
+    import re
+
+    r = forerun("generate", *SMOL, "--method", "ngram", "--max-tokens", "24", "--json",
+                "--regex", "(yes|no), [0-9]{2}", "--presence-penalty", "0.5",
+                "--logit-bias", "28=-100", "Answer.")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert re.fullmatch("(yes|no), [0-9]{2}", out["text"]) and out["finish_reason"] == "stop"
+    r = forerun("generate", *SMOL, "--logit-bias", "x", "hi")
+    assert r.returncode == 2 and "expected TOKEN=BIAS" in r.stderr
 
 
 def test_models_list_json():

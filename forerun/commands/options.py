@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
 from forerun.api import DEFAULT_MAX_TOKENS, Engine, LoadConfig
+from forerun.grammar import Grammar
 from forerun.heads import PRECISIONS
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from forerun.models.load import DEFAULT_CONTEXT, DTYPES, RUNTIMES
@@ -131,6 +133,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="subtract F x its count from each generated token's logit (0 = off)")
     g.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
                    type=_bias, help="add BIAS (-100..100) to token id TOKEN's logit (repeatable)")
+    g.add_argument("--json-schema", default=None, metavar="PATH",
+                   help="structured output: the text is JSON valid under this schema file")
+    g.add_argument("--regex", default=None, help="structured output: the text matches this")
+    g.add_argument("--grammar", default=None, metavar="PATH",
+                   help="structured output: a Lark or GBNF grammar file the text follows")
     g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="most new tokens (default: %(default)s)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -142,7 +149,24 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
     processing = Processing.of(args.repetition_penalty, args.presence_penalty,
                                args.frequency_penalty, dict(args.logit_bias))
     return SamplingConfig(args.temperature, args.top_k, args.top_p, args.min_p, args.seed,
-                          processing)
+                          processing, _grammar(args))
+
+
+def _grammar(args: argparse.Namespace) -> Grammar | None:
+    """The one structured-output option given (a clear error for two, or a missing file)."""
+    given = [(k, v) for k, v in (("json_schema", args.json_schema), ("regex", args.regex),
+                                 ("grammar", args.grammar)) if v is not None]
+    if len(given) > 1:
+        raise ValueError("give one of --json-schema, --regex, --grammar")
+    if not given:
+        return None
+    kind, value = given[0]
+    if kind != "regex":
+        try:
+            value = Path(value).read_text()
+        except OSError as e:
+            raise ValueError(f"--{kind.replace('_', '-')} {value}: {e.strerror}") from e
+    return Grammar(kind, value)
 
 
 def _bias(text: str) -> tuple[int, float]:

@@ -231,7 +231,7 @@ def chat_messages(messages: list[Message]) -> list[dict]:
 
 
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:
-    fn = dict(call.get("function") or {})
+    fn = dict(call["function"]) if isinstance(call.get("function"), dict) else {}
     if isinstance(fn.get("arguments"), str):
         with contextlib.suppress(json.JSONDecodeError):  # else written as it is
             fn["arguments"] = json.loads(fn["arguments"])

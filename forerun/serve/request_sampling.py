@@ -69,7 +69,7 @@ def grammar(body: CompletionRequest | ChatRequest, tokenizer: TextTokenizer,
     if wanted is not None:
         try:
             state_for(wanted, tokenizer, vocab)
-        except GrammarError as e:
+        except (GrammarError, ValueError, RuntimeError, TypeError) as e:  # (llguidance's own)
             param = ("response_format" if body.response_format else "structured_outputs"
                      if body.structured_outputs else "tool_choice")
             raise APIError(400, str(e), param=param) from e
