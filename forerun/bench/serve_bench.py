@@ -143,6 +143,7 @@ def run(args, out: Path, meta: dict) -> int:
                                                   args.requests_per_client, args.max_tokens,
                                                   multi_turn=args.multi_turn)
                 rows.append(serving.summarize(name, c, results, wall, sampler.take()))
+                (out / "serve_bench.partial.json").write_text(json.dumps(rows, indent=2))
                 err.print(f"  {name} x{c}: {rows[-1]['total_tok_s']:.1f} tok/s total, "
                           f"{rows[-1]['errors']} errors", highlight=False)
         finally:

@@ -39,6 +39,25 @@ class Result:
 
 async def one_request(http: httpx.AsyncClient, model: str, messages: list[dict],
                       max_tokens: int, extra: dict) -> Result:
+    """One streamed request; a transport failure (the server hung up) is that request's error,
+    counted in its level's `errors`, not the end of the benchmark. A keep-alive connection the
+    server closed before answering ("disconnected without sending a response") is retried once
+    on a new one, as HTTP clients do."""
+    start = time.perf_counter()
+    for attempt in (1, 2):
+        try:
+            return await _stream(http, model, messages, max_tokens, extra)
+        except httpx.RemoteProtocolError as e:
+            if attempt == 2 or "without sending a response" not in str(e):
+                return Result(0.0, time.perf_counter() - start, 0, error=f"{e}"[:200])
+        except (httpx.TransportError, json.JSONDecodeError) as e:
+            return Result(0.0, time.perf_counter() - start, 0,
+                          error=f"{type(e).__name__}: {e}"[:200])
+    raise AssertionError("unreachable")
+
+
+async def _stream(http: httpx.AsyncClient, model: str, messages: list[dict],
+                  max_tokens: int, extra: dict) -> Result:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}} | extra
     start = time.perf_counter()
