@@ -137,3 +137,31 @@ def test_a_peer_server_starts_healthy_and_stops_by_its_pid(tmp_path):
         assert "broken exited 3" in str(e) and "no model" in str(e)
     else:
         raise AssertionError("a server that exits must raise")
+
+
+def test_a_server_that_hangs_up_is_an_error_not_the_end_of_the_bench():
+    """A loopback socket that accepts and closes without answering: the request is counted as
+    an error (after one retry on a new connection), and the level goes on."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    accepted = []
+
+    def serve():
+        for _ in range(2):
+            conn, _ = listener.accept()
+            conn.recv(65536)
+            accepted.append(conn)
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    results, _ = serving.level(base, {}, "m", [[{"role": "user", "content": "hi"}]], 1, 1, 4)
+    thread.join(10)
+    listener.close()
+    assert len(results) == 1 and results[0].error and "without sending" in results[0].error
+    assert len(accepted) == 2  # retried once
