@@ -50,9 +50,11 @@ def tool_server(model_dirs, tmp_path_factory):  # noqa: F811
     target, draft = root / "target", root / "draft"
     shutil.copytree(model_dirs[0], target)
     shutil.copytree(model_dirs[1], draft)
-    for d in (target, draft):
+    for d in (target, draft):  # its template renders tools; its context holds them (bytes)
         config = json.loads((d / "tokenizer_config.json").read_text())
         (d / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 1024}))
     engine = Engine(str(target), str(draft), spec=SpecConfig("draft", 3, "fixed"),
                     load=LoadConfig(dtype="float64", draft_dtype="float64"))
     with ThreadServer(create_app(Worker(engine, slots=4, max_queue=8), ServeConfig(NAME))) as s:
@@ -68,7 +70,7 @@ def _args(call) -> dict:
 def test_a_forced_call_comes_back_in_tool_calls(tool_server, choice):
     c = client(tool_server)
     out = c.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER, TIME],
-                                    tool_choice=choice, max_tokens=60, temperature=0)
+                                    tool_choice=choice, max_tokens=200, temperature=0)
     message, finish = out.choices[0].message, out.choices[0].finish_reason
     assert finish == "tool_calls" and len(message.tool_calls) == 1
     call = message.tool_calls[0]
@@ -85,7 +87,7 @@ def test_a_forced_call_comes_back_in_tool_calls(tool_server, choice):
 def test_a_streamed_call_equals_the_whole_one_and_the_conversation_round_trips(tool_server):
     c = client(tool_server)
     args = dict(model=NAME, messages=ASK, tools=[WEATHER], tool_choice="required",
-                max_tokens=60, temperature=0)
+                max_tokens=200, temperature=0)
     whole = c.chat.completions.create(**args).choices[0].message.tool_calls[0]
     deltas, reasons = [], []
     for chunk in c.chat.completions.create(stream=True, **args):
