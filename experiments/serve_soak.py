@@ -46,7 +46,7 @@ async def one(http: httpx.AsyncClient, model: str, messages: list, max_tokens: i
             "stream": True}
     try:
         async with asyncio.timeout(REQUEST_TIMEOUT_S), http.stream(
-                "POST", "/v1/chat/completions", json=body) as r:
+                "POST", "/chat/completions", json=body) as r:
             if r.status_code != 200:
                 return f"lost: {r.status_code} {(await r.aread())[:200]!r}"
             chunks, finished = 0, False

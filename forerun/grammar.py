@@ -31,6 +31,10 @@ from typing import Literal
 import numpy as np
 import torch
 
+# JSON as Python's json.dumps writes it: ", " and ": ", no other whitespace (a schema's own
+# "x-guidance" options win). Free whitespace would let a model pad forever, and every extra
+# choice is one more place for a draft to part from the target.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GrammarKind = Literal["json_schema", "json_object", "regex", "grammar", "lark"]
 
 
@@ -49,10 +53,12 @@ class Grammar:
 
         try:
             if self.kind == "json_object":
-                return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+                return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
+                                                                     defaults=JSON_LAYOUT)
             if self.kind == "json_schema":
                 json.loads(self.source)  # a clear error for text that is not JSON
-                return llguidance.LLMatcher.grammar_from_json_schema(self.source)
+                return llguidance.LLMatcher.grammar_from_json_schema(self.source,
+                                                                     defaults=JSON_LAYOUT)
             if self.kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(self.source)
             if self.kind == "grammar":  # Lark or GBNF, told apart by llguidance

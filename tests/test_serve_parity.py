@@ -157,7 +157,7 @@ def test_a_pydantic_response_format_comes_back_parsed(server):  # noqa: F811
     server's draft speculation."""
     c = client(server)
     for prompt in ("a pet", "another pet"):
-        out = c.chat.completions.parse(model=NAME, response_format=Pet, max_tokens=40,
+        out = c.chat.completions.parse(model=NAME, response_format=Pet, max_tokens=90,
                                        temperature=0,
                                        messages=[{"role": "user", "content": prompt}])
         assert isinstance(out.choices[0].message.parsed, Pet)

@@ -15,7 +15,7 @@ import re
 import uuid
 from typing import Any
 
-from forerun.grammar import Grammar
+from forerun.grammar import JSON_LAYOUT, Grammar
 from forerun.serve.protocol import APIError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -60,7 +60,7 @@ def tool_choice_grammar(tools: list[dict] | None, choice: Any) -> Grammar | None
               "properties": {"name": {"const": t["function"]["name"]},
                              "arguments": t["function"].get("parameters") or {"type": "object"}}}
              for t in chosen]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = (calls[0] if len(calls) == 1 else {"anyOf": calls}) | {"x-guidance": JSON_LAYOUT}
     return Grammar("lark", f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json '
                               f"{json.dumps(schema)}")
 
