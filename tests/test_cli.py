@@ -50,9 +50,9 @@ def test_streaming_prints_text_and_stats():
     (["--target", "./nope.gguf"], "no such file"),
     (["--draft", "gemma3-270m"], "vocabulary mismatch"),
     (["--presence-penalty", "5"], "presence_penalty must be in [-2, 2]"),
-    (["--logit-bias", "999999=1"], "outside the vocabulary"),
+    (["--method", "ngram", "--logit-bias", "999999=1"], "outside the vocabulary"),
     (["--json-schema", "./nope.json"], "No such file"),
-    (["--regex", "("], "does not"),
+    (["--method", "ngram", "--regex", "("], "does not"),
     (["--regex", "a", "--grammar", "g.lark"], "give one of"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
