@@ -397,7 +397,7 @@ def test_bad_completion_requests_are_clear_4xx(server, body, status, param, code
     ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs", "needs logprobs: true"),
     ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
-     "tools", "not supported"),
+     "tools.0.function", "function.name"),
 ])
 def test_bad_chat_requests_are_clear_400s(server, body, param, text):
     r = post(server, "/v1/chat/completions", body)
