@@ -97,7 +97,7 @@ def test_a_streamed_call_equals_the_whole_one_and_the_conversation_round_trips(t
     assert len(deltas) == 1 and deltas[0].index == 0
     assert (deltas[0].function.name, _args(deltas[0])) == (whole.function.name, _args(whole))
     assert reasons[-1] == "tool_calls"
-    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": whole.id, "type": "function", "function": {
             "name": whole.function.name, "arguments": whole.function.arguments}}]},
         {"role": "tool", "tool_call_id": whole.id, "content": "12 degrees"}]
