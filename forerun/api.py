@@ -86,12 +86,16 @@ class Completion:
     stats: GenerationStats
     prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token id, where asked
+    # one per prompt token (the first None), where asked (`prompt_logprobs`, echo)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids,
                 "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
                 "stats": self.stats.to_dict()} | ({} if self.logprobs is None else {
-                    "logprobs": [asdict(lp) for lp in self.logprobs]})
+                    "logprobs": [asdict(lp) for lp in self.logprobs]}) | (
+                    {} if self.prompt_logprobs is None else {"prompt_logprobs": [
+                        lp and asdict(lp) for lp in self.prompt_logprobs]})
 
 
 def heads_device(load: LoadConfig) -> str:
@@ -218,10 +222,13 @@ class Engine:
     def stream(self, prompt: str | list[int], *, sampling: SamplingConfig | None = None,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: tuple[str, ...] = (),
                raw: bool = False, spec: SpecConfig | None = None,
-               logprobs: int | None = None) -> Generator[Chunk, None, None]:
+               logprobs: int | None = None, prompt_logprobs: int | None = None
+               ) -> Generator[Chunk, None, None]:
         """Yield text as it is generated; `spec` overrides the engine's speculation config.
         One chunk per target forward pass; `logprobs` (alternatives per token, 0..20): each
-        chunk's step carries its tokens' logprobs from the verify pass."""
+        chunk's step carries its tokens' logprobs from the verify pass; `prompt_logprobs`
+        (0..20): the first chunk's step carries the prompt tokens' (the prefill then computes
+        the logits of every prompt row)."""
         sampling, spec = sampling or SamplingConfig(), spec or self.spec
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -229,20 +236,22 @@ class Engine:
         sampling.processing.check_vocab(self.target.config.vocab_size)
         generator = make_generator(sampling.seed)
         stop_ids = self.tokenizer.stop_ids
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+        for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {n}")
         grammar = state_for(sampling.grammar, self.tokenizer, self.target.config.vocab_size)
-        if spec.method == "none" and logprobs is None and grammar is None:
+        asked = {"logprobs": logprobs, "grammar": grammar, "prompt_logprobs": prompt_logprobs}
+        if spec.method == "none" and not any(v is not None for v in asked.values()):
             steps = plain_decode(self.target, ids, sampling, max_tokens, stop_ids, generator)
         elif spec.method == "none":  # the batch step itself, which reads and masks the logits
             steps = speculative_decode(self.target, None, None, ids, sampling, max_tokens,
-                                       stop_ids, generator, logprobs, grammar)
+                                       stop_ids, generator, **asked)
         else:
             proposer = PROPOSERS[spec.method](spec, self.proposers)
             # the cost policy measures forward times at a runtime's first use (see profile.py)
             policy = POLICIES[spec.policy](spec, self.target, proposer.runtime)
             steps = speculative_decode(self.target, proposer, policy, ids, sampling, max_tokens,
-                                       stop_ids, generator, logprobs, grammar)
+                                       stop_ids, generator, **asked)
         out = TextOut(self.tokenizer, stop)
         for step in steps:
             text, hit = out.push(step.tokens, final=step.finish_reason is not None)
@@ -270,7 +279,9 @@ class Engine:
                                              start, steps),
             prompt_tokens=len(ids),
             logprobs=None if kwargs.get("logprobs") is None else [
-                lp for s in steps for lp in s.logprobs])
+                lp for s in steps for lp in s.logprobs],
+            prompt_logprobs=None if kwargs.get("prompt_logprobs") is None else list(
+                steps[0].prompt_logprobs))
 
 
     def generate_batch(self, prompts: list[str | list[int] | list[dict]], *,

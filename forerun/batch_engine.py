@@ -21,7 +21,8 @@ length policy, generator, sampling, limits), and `step`, the phases of one pass 
   5. commit    each member's cache keeps its accepted path; its drafter forgets the rest
   6. adapt     each member's policy sees what was accepted
   7. emit      stop tokens, token budgets and context room, as the one-sequence loop (the
-               grammar consumes what is emitted; logprobs from the raw rows where asked)
+               grammar consumes what is emitted; logprobs from the raw rows where asked, and
+               a prompt's own logprobs from its prefill's rows where `echo` asks them)
 
 Cache invariant (as in `forerun.engine`): before a decoding member's verify, the target's
 cache holds every token of the sequence but the last (the pending token). A member's drafter
@@ -40,6 +41,7 @@ import torch
 
 from forerun.batch_policy import BatchCostPolicy
 from forerun.grammar import GrammarState, apply_masks
+from forerun.logprobs import token_logprobs
 from forerun.metrics import Step, TokenLogprob
 from forerun.policy import LengthPolicy
 from forerun.processors import process_rows
@@ -80,6 +82,10 @@ class Sequence:
     resume: list[int] | None = None
     logprobs: int | None = None  # alternatives per emitted token's logprob (None: not asked)
     grammar: GrammarState | None = None  # structured output, in step with the emitted tokens
+    # alternatives per prompt token's logprob (`echo`; None: not asked): its prefill's passes
+    # want every row, and `echoed` gathers them by prompt position for the first Step
+    prompt_logprobs: int | None = None
+    echoed: list[TokenLogprob | None] = field(default_factory=list)
 
     @property
     def prefilled(self) -> bool:
@@ -138,20 +144,22 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
                (drafts[b] is not None or chunks[b])]
     if not members:  # every member failed its drafting (or sat out): no pass to run
         return [None] * len(live)
-    batch, trees, spans = _pack([live[b] for b in members], [drafts[b] for b in members],
-                                [chunks[b] for b in members])
+    batch, trees, spans, echoes = _pack([live[b] for b in members],
+                                        [drafts[b] for b in members], [chunks[b] for b in members])
     bases = [runtime.length(live[b].handle) for b in members]
     # 3. One target pass over all of them (and the features their heads draft from).
     output = runtime.forward(batch, _layers_wanted([live[b] for b in members],
                                                    [drafts[b] for b in members]))
     # 4. Verify every member on its own rows.
+    logits, spans = _verify_view(output.logits, spans)  # [R_v, V]: without echo-only rows
     verdicts = _verify_all([live[b] for b in members], [drafts[b] for b in members], trees,
-                           spans, output.logits)
+                           spans, logits)
     now = time.perf_counter()
     out: list[Step | None] = [None] * len(live)
     for j, (b, tree, verdict) in enumerate(zip(members, trees, verdicts, strict=True)):
         s, d, rows = live[b], drafts[b], batch.rows_of(j)
         if d is None:  # a prompt chunk: the last one's last row gave the first token
+            _echo(s, output.logits, echoes[j], s.fed)
             s.fed += rows.stop - rows.start
             if s.resume is not None and s.fed == len(s.source()):  # recomputed: decode on
                 s.tokens, s.resume = s.resume, None
@@ -162,7 +170,7 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
                 skip = rows.start + needs.hidden_from(len(s.prompt))  # the rows its head reads
                 s.proposer.feed({i: output.hidden[i][skip:rows.stop] for i in needs.hidden_layers})
             out[b] = _emit(runtime, s, verdict.tokens, 0, 0, now, prefill=True,
-                           logprobs=_logprobs(s, output.logits, spans[j], verdict))
+                           logprobs=_logprobs(s, logits, spans[j], verdict))
             continue
         # 5. Commit the accepted path in the cache and the drafter (and its features).
         kept = [0, *(i + 1 for i in verdict.path)]  # the member's rows now final
@@ -181,7 +189,7 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
                 lengths.update(id(s), drafted, len(verdict.path))
         # 7. Emit.
         out[b] = _emit(runtime, s, verdict.tokens, drafted, len(verdict.path), now,
-                       logprobs=_logprobs(s, output.logits, spans[j], verdict))
+                       logprobs=_logprobs(s, logits, spans[j], verdict))
     return out
 
 
@@ -314,10 +322,12 @@ def _draft_tokens(d: Draft | None) -> torch.Tensor:
 
 
 def _pack(live: list[Sequence], drafts: list[Draft | None], chunks: list[int]
-          ) -> tuple[PackedBatch, list[TokenTree | None], list[range]]:
+          ) -> tuple[PackedBatch, list[TokenTree | None], list[range], list[range]]:
     """The pass's PackedBatch (a prompt chunk, a verify's pending token + draft), each member's
-    draft tree, and its rows among the wanted logits (a prompt's last chunk wants its last
-    row, an earlier chunk none, a verify every row; logit_rows None where that is every row)."""
+    draft tree, its rows among the wanted logits that its verify reads (a prompt's last chunk
+    its last row, an earlier chunk none, a verify every row), and the rows a prompt chunk
+    echoes (every row where the member asks its prompt's logprobs, else none); logit_rows
+    None where every row is wanted."""
     feeds, trees = [], []
     for s, d, n in zip(live, drafts, chunks, strict=True):
         if d is None:
@@ -330,17 +340,45 @@ def _pack(live: list[Sequence], drafts: list[Draft | None], chunks: list[int]
         [(s.handle, f) for s, f in zip(live, feeds, strict=True)],
         positions=[None if t is None or t.is_chain else t.positions(0) for t in trees],
         tree_masks=[None if t is None or t.is_chain else t.mask() for t in trees])
-    wanted, spans = [], []
+    wanted, spans, echoes = [], [], []
     for b, (s, d, n) in enumerate(zip(live, drafts, chunks, strict=True)):
         rows = batch.rows_of(b)
         last = s.resume is None and s.fed + n == len(s.prompt)  # a recompute samples nothing
-        mine = (range(rows.start, rows.stop) if d is not None else
+        echo = d is None and s.resume is None and s.prompt_logprobs is not None
+        mine = (range(rows.start, rows.stop) if d is not None or echo else
                 range(rows.stop - 1, rows.stop) if last else range(0))
-        spans.append(range(len(wanted), len(wanted) + len(mine)))
+        at = len(wanted)
+        spans.append(range(at + len(mine) - 1, at + len(mine)) if echo and last else
+                     range(0) if echo else range(at, at + len(mine)))
+        echoes.append(range(at, at + len(mine)) if echo else range(0))
         wanted.extend(mine)
     every = wanted == list(range(len(batch.tokens)))
     return replace(batch, logit_rows=None if every else torch.tensor(wanted, dtype=torch.long)
-                   ), trees, spans
+                   ), trees, spans, echoes
+
+
+def _verify_view(logits: torch.Tensor, spans: list[range]) -> tuple[torch.Tensor, list[range]]:
+    """The rows [R_v, V] of the pass's wanted `logits` [R, V] that verifies read, and each
+    member's span among them (rows wanted only for a prompt's logprobs left out)."""
+    rows = [r for span in spans for r in span]
+    if len(rows) == logits.shape[0]:
+        return logits, spans
+    out, start = [], 0
+    for span in spans:
+        out.append(range(start, start + len(span)))
+        start += len(span)
+    return logits[rows], out
+
+
+def _echo(s: Sequence, logits: torch.Tensor, rows: range, fed: int) -> None:
+    """Gather a prompt chunk's logprobs (`rows` of the pass's raw `logits` [R, V]; the chunk
+    starts at prompt position `fed`): row i gives prompt token fed + i + 1 its logprob."""
+    if not rows:
+        return
+    s.echoed = s.echoed or [None] * len(s.prompt)  # the first token has nothing before it
+    tokens = s.prompt[fed + 1:fed + 1 + len(rows)]  # the prompt's last row gives no prompt token
+    s.echoed[fed + 1:fed + 1 + len(tokens)] = token_logprobs(
+        logits[rows.start:rows.stop], tokens, s.prompt_logprobs)
 
 
 def _layers_wanted(live: list[Sequence], drafts: list[Draft | None]) -> tuple[int, ...]:
@@ -409,12 +447,7 @@ def _logprobs(s: Sequence, logits: torch.Tensor, span: range, verdict: Verdict |
     if s.logprobs is None:
         return None
     rows = [span.start, *(span.start + n + 1 for n in verdict.path)]  # [len(tokens)]
-    logp = logits[rows].double().log_softmax(-1).cpu()  # [n, V]
-    chosen = logp.gather(-1, torch.tensor(verdict.tokens)[:, None])[:, 0].tolist()  # [n]
-    top = logp.topk(s.logprobs, -1) if s.logprobs else None
-    return [TokenLogprob(t, lp, () if top is None else tuple(zip(
-        top.indices[i].tolist(), top.values[i].tolist(), strict=True)))
-        for i, (t, lp) in enumerate(zip(verdict.tokens, chosen, strict=True))]
+    return token_logprobs(logits[rows], verdict.tokens, s.logprobs)
 
 
 def _emit(runtime: BatchRuntime, s: Sequence, tokens: list[int], drafted: int,
@@ -429,8 +462,10 @@ def _emit(runtime: BatchRuntime, s: Sequence, tokens: list[int], drafted: int,
         s.grammar.commit([t for t in emitted if t not in s.stop_ids])
         if s.finish is None and s.grammar.done:  # the grammar allows nothing more
             s.finish = "stop"
+    echoed = tuple(s.echoed) if prefill and s.prompt_logprobs is not None else None
     result = Step(emitted, drafted, accepted, now, s.finish, prefill=prefill,
-                  logprobs=None if logprobs is None else tuple(logprobs[:len(emitted)]))
+                  logprobs=None if logprobs is None else tuple(logprobs[:len(emitted)]),
+                  prompt_logprobs=echoed)
     s.steps.append(result)
     return result
 

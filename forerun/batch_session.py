@@ -75,7 +75,8 @@ class BatchSession:
     # --- members -----------------------------------------------------------------------------
 
     def sequence(self, ids: list[int], sampling: SamplingConfig, max_tokens: int,
-                 spec: SpecConfig | None = None, logprobs: int | None = None) -> Sequence:
+                 spec: SpecConfig | None = None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> Sequence:
         """A member for prompt `ids` (not yet added): its drafter for `spec` (the engine's by
         default; method none = plain decoding), its generator, policy and cache slack. Raises
         ValueError / ModelError for a spec this engine cannot draft with."""
@@ -85,6 +86,7 @@ class BatchSession:
         sampling.processing.check_vocab(engine.target.config.vocab_size)
         seq = Sequence(ids, sampling, max_tokens, make_generator(sampling.seed),
                        engine.tokenizer.stop_ids, logprobs=logprobs,
+                       prompt_logprobs=prompt_logprobs,
                        grammar=state_for(sampling.grammar, engine.tokenizer,
                                          engine.target.config.vocab_size))
         if spec.method == "none":

@@ -36,6 +36,9 @@ class Step:
     finish_reason: str | None = None  # "stop" or "length" on the last step
     prefill: bool = False
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, where the sequence asks
+    # on the prefill step, where asked (`echo`): one per prompt token, the first None (nothing
+    # precedes it), token i from the target's row i - 1 of the prompt's pass
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass

@@ -374,7 +374,7 @@ def completion(**fields) -> dict:
     (completion(logit_bias={"x": 1}), 400, "logit_bias", None, "token ids"),
     (completion(logit_bias={"999": 1}), 400, "logit_bias", None, "token ids in [0, 259)"),
     (completion(logit_bias={"5": 101}), 400, "logit_bias", None, "[-100, 100]"),
-    (completion(echo=True), 400, "echo", "unsupported_parameter", "not supported"),
+    (completion(suffix="x"), 400, "suffix", "unsupported_parameter", "not supported"),
     (completion(prompt=""), 400, "prompt", None, "empty"),
     (completion(prompt=[1, 2, 10**6]), 400, "prompt", None, "token ids"),
     (completion(prompt=["a", "b"]), 400, "prompt", None, "one prompt"),

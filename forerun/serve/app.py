@@ -2,8 +2,8 @@
 
 Owns: the routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/metrics`,
 `/health`), the request gate (Host allow-list, API key, body size, request counting), turning a
-request into
-worker jobs, server-sent events, and turning every refusal into a 4xx with an OpenAI-style body.
+request into worker jobs (the bodies they become: `forerun.serve.responses`), and turning
+every refusal into a 4xx with an OpenAI-style body.
 An unexpected exception reaches a client as a short message; its traceback goes to the log.
 Never touches a model: tokenizing is the only model-related work done here (the tokenizer is
 thread-safe); generation happens on the worker thread (`forerun.serve.worker`).
@@ -16,7 +16,6 @@ its unfinished jobs are cancelled, which frees their slots.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
@@ -34,11 +33,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from forerun.api import DEFAULT_MAX_TOKENS
 from forerun.heads import KINDS as HEAD_KINDS
-from forerun.metrics import TokenLogprob
 from forerun.models.catalog import ModelError
 from forerun.policy import POLICIES
 from forerun.propose import PROPOSERS, SpecConfig
-from forerun.serve.limits import DISCONNECT_POLL_S, MAX_BODY_BYTES, MAX_TOKENS_LIMIT
+from forerun.serve.limits import MAX_BODY_BYTES, MAX_TOKENS_LIMIT
 from forerun.serve.protocol import (
     APIError,
     ChatRequest,
@@ -46,20 +44,16 @@ from forerun.serve.protocol import (
     Shape,
     Speculation,
     chat_messages,
-    error_body,
     logprobs_wanted,
     stop_strings,
     unsupported,
-    usage,
 )
 from forerun.serve.request_sampling import request_sampling
-from forerun.serve.tools import ToolText, check_tools, parse_calls
+from forerun.serve.responses import Echo, collect, stream_events
+from forerun.serve.tools import check_tools
 from forerun.serve.worker import (
     Busy,
-    Delta,
-    Done,
     Event,
-    Failed,
     Job,
     Stopped,
     Worker,
@@ -129,7 +123,8 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
         check_request(body)
         ids = await run_in_threadpool(prompt_ids, body.prompt)
         return await generate(request, body, ids, Shape(chat=False, model=config.model_name,
-                                                                   token_text=token_text))
+                                                                   token_text=token_text),
+                              echo=echoed(body.prompt, ids) if body.echo else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
@@ -158,6 +153,12 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
 
     def token_text(token: int) -> str:
         return engine.tokenizer.token_text(token)
+
+    def echoed(prompt, ids: list[int]) -> Echo:
+        """The prompt as `echo` sends it back: as given where it is text, else decoded."""
+        text = prompt if isinstance(prompt, str) else prompt[0] if prompt and isinstance(
+            prompt[0], str) else engine.tokenizer.decode(ids)
+        return Echo(text, ids)
 
     def chat_ids(body: ChatRequest) -> list[int]:
         tools = None if body.tool_choice == "none" else check_tools(body.tools)
@@ -192,7 +193,7 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
         return asked
 
     async def generate(request: Request, body: CompletionRequest | ChatRequest, ids: list[int],
-                       shape: Shape) -> Response:
+                       shape: Shape, echo: Echo | None = None) -> Response:
         max_tokens = budget(body, ids)
         sampling = request_sampling(body, engine.tokenizer, vocab)
         spec, stream_stats = resolve_spec(body.speculation, engine.spec,
@@ -207,7 +208,8 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         jobs = [Job(ids, replace(sampling, seed=None if body.seed is None else body.seed + i),
-                    max_tokens, stop, spec, emit, index=i, logprobs=logprobs)
+                    max_tokens, stop, spec, emit, index=i, logprobs=logprobs,
+                    prompt_logprobs=logprobs if echo else None)
                 for i in range(n)]
         try:
             worker.submit(jobs)
@@ -223,10 +225,11 @@ def create_app(worker: Worker, config: ServeConfig) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = stream_events(queue, shape, n, len(ids), include_usage, stream_stats,
-                                   logprobs is not None, tools)
+                                   logprobs is not None, tools, echo)
             return EventStream(events, on_close=cancel)
         try:
-            return await collect(request, queue, shape, n, len(ids), logprobs is not None, tools)
+            return await collect(request, queue, shape, n, len(ids), logprobs is not None, tools,
+                                 echo)
         finally:
             cancel()  # finished jobs ignore it; a client gone or an error frees the slots
 
@@ -263,98 +266,6 @@ def resolve_spec(field: Speculation | None, default: SpecConfig, *, has_draft: b
     return SpecConfig(method, k, policy, ngram_min, ngram_max, default.tree,
                       default.tree_topk, default.lookup and method in HEAD_KINDS), \
         field.stream_stats
-
-
-async def collect(request: Request, queue: asyncio.Queue[Event], shape: Shape, n: int,
-                  prompt_tokens: int, asked: bool = False, tools: bool = False) -> Response:
-    """A whole (non-streaming) response (with logprobs where `asked`); gives up when the
-    client goes away."""
-    texts: list[list[str]] = [[] for _ in range(n)]
-    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    done: dict[int, Done] = {}
-    clock = asyncio.get_running_loop().time
-    next_check = clock() + DISCONNECT_POLL_S
-    while len(done) < n:
-        try:
-            event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-        except TimeoutError:
-            event = None
-        if clock() >= next_check:  # events may keep coming: check by the clock
-            if await request.is_disconnected():
-                return Response(status_code=499)  # nobody reads it; the jobs are cancelled
-            next_check = clock() + DISCONNECT_POLL_S
-        if event is None:
-            continue
-        if isinstance(event, Failed):
-            raise APIError(500, event.message)
-        if isinstance(event, Delta):
-            texts[event.index].append(event.text)
-            logprobs[event.index].extend(event.step.logprobs or ())
-        else:
-            done[event.index] = event
-    choices = []
-    for i in range(n):
-        text, calls = "".join(texts[i]), []
-        if tools:
-            text, calls = parse_calls(text)
-        choices.append(shape.choice(i, text, "tool_calls" if calls else done[i].finish_reason,
-                                    done[i].stats.to_dict(), logprobs[i] if asked else None,
-                                    calls))
-    completion_tokens = sum(d.completion_tokens for d in done.values())
-    return JSONResponse(shape.response(choices, usage(prompt_tokens, completion_tokens)))
-
-
-async def stream_events(queue: asyncio.Queue[Event], shape: Shape, n: int, prompt_tokens: int,
-                        include_usage: bool, stream_stats: bool, logprobs: bool = False,
-                        tools: bool = False) -> AsyncIterator[str]:
-    """Server-sent events: text deltas (with their tokens' logprobs when asked), one finishing
-    chunk per choice (with its speculation stats), the usage chunk when asked, then [DONE]."""
-    if shape.chat:
-        for i in range(n):
-            yield sse(shape.chunk(i, "", role=True))
-    done: dict[int, Done] = {}
-    chars = [0] * n  # text sent so far per choice (the completions' text_offset)
-    split = [ToolText() for _ in range(n)] if tools else None  # content vs tool calls
-    while len(done) < n:
-        event = await queue.get()
-        if isinstance(event, Failed):
-            yield sse(error_body(event.message, "server_error"))
-            break
-        if isinstance(event, Delta):
-            lps = shape.logprobs(event.step.logprobs, chars[event.index]) if logprobs else None
-            text, calls = event.text, []
-            if split is not None:
-                text, calls = split[event.index].push(text)
-            if text or calls or stream_stats or (lps is not None and event.step.tokens):
-                yield sse(shape.chunk(event.index, text,
-                                      speculation=event.stats if stream_stats else None,
-                                      logprobs=lps, tool_calls=_indexed(calls, split, event)))
-            chars[event.index] += len(event.text)
-            continue
-        done[event.index] = event
-        reason = event.finish_reason
-        if split is not None:
-            if rest := split[event.index].finish():
-                yield sse(shape.chunk(event.index, rest))
-            reason = "tool_calls" if split[event.index].calls else reason
-        yield sse(shape.chunk(event.index, None, reason, event.stats.to_dict()))
-    else:
-        if include_usage:
-            completion_tokens = sum(d.completion_tokens for d in done.values())
-            yield sse(shape.usage_chunk(usage(prompt_tokens, completion_tokens)))
-    yield "data: [DONE]\n\n"
-
-
-def _indexed(calls: list[dict], split: list[ToolText] | None, event: Delta) -> list[dict]:
-    """Stream deltas of completed calls, each with its index among the choice's calls."""
-    if not calls or split is None:
-        return []
-    first = len(split[event.index].calls) - len(calls)
-    return [{"index": first + j, **call} for j, call in enumerate(calls)]
-
-
-def sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 class EventStream(StreamingResponse):

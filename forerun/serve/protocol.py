@@ -150,8 +150,7 @@ def unsupported(req: CompletionRequest | ChatRequest) -> None:
     """Refuse fields we accept in the schema but cannot honour, naming each."""
     checks: list[tuple[str, bool, str]] = []
     if isinstance(req, CompletionRequest):
-        checks += [("echo", bool(req.echo), "echo is not supported"),
-                   ("suffix", req.suffix is not None, "suffix is not supported"),
+        checks += [("suffix", req.suffix is not None, "suffix is not supported"),
                    ("best_of", req.best_of not in (None, 1, req.n), "best_of is not supported")]
     for param, refused, message in checks:
         if refused:
@@ -257,10 +256,17 @@ class Shape:
 
     def choice(self, index: int, text: str | None, finish_reason: str, speculation: dict,
                logprobs: Sequence[TokenLogprob] | None = None,
-               tool_calls: list[dict] | None = None) -> dict:
+               tool_calls: list[dict] | None = None, prefix: str = "",
+               prefix_logprobs: dict | None = None) -> dict:
+        """One choice; `prefix` (a completion's echoed prompt) comes before the text, and its
+        `prefix_logprobs` columns before the text's."""
         body = ({"message": {"role": "assistant", "content": text} | (
-            {"tool_calls": tool_calls} if tool_calls else {})} if self.chat else {"text": text})
-        return {"index": index, **body, "logprobs": self.logprobs(logprobs),
+            {"tool_calls": tool_calls} if tool_calls else {})} if self.chat else
+            {"text": prefix + (text or "")})
+        lps = self.logprobs(logprobs, len(prefix))
+        if prefix_logprobs is not None and lps is not None:
+            lps = {key: prefix_logprobs[key] + lps[key] for key in lps}
+        return {"index": index, **body, "logprobs": lps,
                 "finish_reason": finish_reason, "speculation": speculation}
 
     def logprobs(self, lps: Sequence[TokenLogprob] | None, offset: int = 0) -> dict | None:
@@ -276,9 +282,19 @@ class Shape:
             return {"content": [entry(lp.token, lp.logprob) | {
                 "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
         tokens = [text(lp.token) for lp in lps]
-        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [_by_text(lp.top, text) for lp in lps], "text_offset": offsets}
+                "top_logprobs": [_by_text(lp.top, text) for lp in lps],
+                "text_offset": _offsets(tokens, offset)}
+
+    def prompt_logprobs(self, ids: list[int], lps: Sequence[TokenLogprob | None]) -> dict:
+        """The completions' legacy columns for an echoed prompt: its first token has no
+        logprob and no alternatives (null), as in OpenAI's and vLLM's."""
+        text = self.token_text
+        tokens = [text(t) for t in ids]
+        return {"tokens": tokens,
+                "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+                "top_logprobs": [None if lp is None else _by_text(lp.top, text) for lp in lps],
+                "text_offset": _offsets(tokens, 0)}
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None,
               speculation: dict | None = None, role: bool = False,
@@ -299,6 +315,15 @@ class Shape:
     def usage_chunk(self, usage: dict) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
             "choices": [], "usage": usage}
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    """Each token's character offset in the text, the first at `start`."""
+    out = []
+    for t in tokens:
+        out.append(start)
+        start += len(t)
+    return out
 
 
 def _by_text(top: Sequence[tuple[int, float]], text: Callable[[int], str]) -> dict[str, float]:

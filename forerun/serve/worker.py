@@ -138,6 +138,7 @@ class Job:
     emit: Callable[[Event], None]
     index: int = 0
     logprobs: int | None = None  # alternatives per token's logprob (None: not asked)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions' echo)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -344,7 +345,7 @@ class Worker:
         spec = SpecConfig("none") if self.spec_policy == "off" else job.spec
         try:
             seq = self.session.sequence(job.ids, job.sampling, job.max_tokens, spec,
-                                        job.logprobs)
+                                        job.logprobs, job.prompt_logprobs)
         except (ValueError, ModelError) as e:
             self.metrics.finished.labels("error").inc()
             return self._emit(job, Failed(job.index, short_error(e)))
