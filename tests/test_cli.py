@@ -26,6 +26,17 @@ def test_generate_json_has_the_documented_fields():
     assert out["stats"]["method"] == "ngram" and 0 < out["stats"]["new_tokens"] <= 12
 
 
+def test_generate_json_carries_logprobs_where_asked():
+    r = forerun("generate", *SMOL, "--method", "ngram", "--max-tokens", "6", "--json",
+                "--logprobs", "2", "--prompt-logprobs", "1", "--raw", "Say hello.")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["logprobs"]) == len(out["token_ids"])
+    assert all(len(lp["top"]) == 2 and lp["logprob"] <= 0 for lp in out["logprobs"])
+    assert len(out["prompt_logprobs"]) == out["prompt_tokens"]
+    assert out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"][1]["top"]) == 1
+
+
 def test_compare_json_reports_speedup_and_identity_from_stdin():
     r = forerun("generate", *SMOL, "--method", "draft", "--draft", "smollm2-135m-instruct",
                 "--draft-dtype", "float32", "--max-tokens", "16", "--compare", "--json",

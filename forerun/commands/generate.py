@@ -41,6 +41,11 @@ def add_parser(sub) -> None:
                      help="also run plain decoding and report speedup and whether the outputs "
                           "are identical")
     gen.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="with --json: each token's logprob (the target's raw log-softmax) and "
+                     "its N likeliest alternatives (0-20)")
+    gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                     help="with --json: the same for every prompt token (the first has none)")
     g = gen.add_argument_group("offline batches")
     g.add_argument("--batch", default=None, metavar="FILE.jsonl",
                    help="decode every line of FILE together instead of one PROMPT: "
@@ -73,7 +78,8 @@ def run(args) -> int:
     engine = load_engine(args)
     spec = engine.spec
     ids = engine.tokenizer.encode_prompt(prompt, raw=args.raw, system=args.system)
-    kwargs = dict(sampling=sampling, max_tokens=args.max_tokens, stop=tuple(args.stop))
+    kwargs = dict(sampling=sampling, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                  logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     if args.compare:
         for s in (SpecConfig("none"), spec):  # first calls pay one-off costs: keep them untimed
             engine.generate(ids, **{**kwargs, "max_tokens": WARMUP_TOKENS}, spec=s)
