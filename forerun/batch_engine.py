@@ -148,8 +148,11 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
                                         [drafts[b] for b in members], [chunks[b] for b in members])
     bases = [runtime.length(live[b].handle) for b in members]
     # 3. One target pass over all of them (and the features their heads draft from).
+    started = time.perf_counter()
     output = runtime.forward(batch, _layers_wanted([live[b] for b in members],
                                                    [drafts[b] for b in members]))
+    if lengths is not None and output.logits.device.type == "cpu":  # (a GPU's may still run)
+        lengths.observe_pass(len(batch.tokens), time.perf_counter() - started)
     # 4. Verify every member on its own rows.
     logits, spans = _verify_view(output.logits, spans)  # [R_v, V]: without echo-only rows
     verdicts = _verify_all([live[b] for b in members], [drafts[b] for b in members], trees,
@@ -421,12 +424,16 @@ def _propose_all(runtime: BatchRuntime, live: list[Sequence],
             grouped.setdefault(id(s.proposer.group), (s.proposer.group, []))[1].append(
                 (i, DraftRequest(s.proposer, s.tokens, k, s.sampling, s.generator)))
     for group, requests in grouped.values():
+        started = time.perf_counter()
         try:
             made = group.propose([r for _, r in requests])
         except Exception as e:  # fails the members it drafted for
             for i, _ in requests:
                 live[i].fail(e)
             continue
+        if lengths is not None and all(len(live[i].steps) > 1 for i, _ in requests):
+            # (a member's first draft also feeds its prompt to the drafter: not a draft's cost)
+            lengths.observe_drafting([r.k for _, r in requests], time.perf_counter() - started)
         for (i, _), draft in zip(requests, made, strict=True):
             drafts[i] = draft
     return [d if d is None else d.fit(_room(runtime, s)) for d, s in zip(drafts, live,

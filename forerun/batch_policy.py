@@ -20,6 +20,13 @@ until the first rejection: `forerun.policy.expected_tokens`), while tokens per s
 where draft(k) is the shared draft model's rounds: round r runs the members with k_b >= r.
 Output never depends on the choice (every k is lossless); only speed does.
 
+The costs are calibrated once (`measure_batch_curve`) and corrected while serving: every target
+pass is shown to the verify curve (a `LiveCurve`, per size), and every shared draft call's
+seconds against what the policy priced it at (`draft_round` summed over its rounds) keep a
+running ratio that scales `draft_round`. Calibration passes are clean (random tokens, one
+pass each); a served draft call also catches up the tokens the last verify accepted, reads
+q and masks, and shares the cores: what it really costs is what it must be priced at.
+
 A member at k = 0 shows nothing of its acceptance, so a low estimate could keep it at 0 for
 good. The policy therefore reads each member's acceptance optimistically, its running rate
 plus EXPLORE / sqrt(evidence) (little evidence: a generous rate, so it drafts where drafting
@@ -38,7 +45,7 @@ from time import perf_counter
 
 import torch
 
-from forerun.profile import FILLER_SEED, ForwardCurve
+from forerun.profile import FILLER_SEED, LIVE_CLIP, LIVE_WEIGHT, ForwardCurve, LiveCurve
 from forerun.propose.base import AcceptanceEstimate
 from forerun.runtime.batch import BatchRuntime, PackedBatch
 
@@ -60,10 +67,19 @@ class BatchCost:
     verify: Callable[[float], float]
     draft_round: Callable[[float], float] | None = None
 
+    def drafting(self, ks: list[int]) -> float:
+        """Priced seconds of a shared draft call for members drafting `ks` tokens: round r
+        runs the members with k >= r."""
+        if self.draft_round is None:
+            return 0.0
+        return sum(self.draft_round(sum(k >= r for k in ks)) for r in range(1, max(ks) + 1)
+                   ) if ks else 0.0
+
     def choose(self, acceptance: list[float], caps: list[int],
-               paid: list[bool] | None = None) -> list[int]:
+               paid: list[bool] | None = None, draft_scale: float = 1.0) -> list[int]:
         """Every member's k (0..caps[b]) with the most expected tokens per second; `paid[b]`:
-        member b's drafting runs the shared draft model (None: every member's does)."""
+        member b's drafting runs the shared draft model (None: every member's does), whose
+        rounds cost `draft_scale` times `draft_round`."""
         B = len(acceptance)
         k = [0] * B
         in_round = [0] * (max(caps, default=0) + 2)  # members drafting at each depth
@@ -79,7 +95,8 @@ class BatchCost:
                 if self.draft_round is not None and (paid is None or paid[b]):
                     # round `depth` gains one member
                     m = in_round[depth]
-                    extra = self.draft_round(m + 1) - (self.draft_round(m) if m else 0.0)
+                    extra = draft_scale * (self.draft_round(m + 1) - (
+                        self.draft_round(m) if m else 0.0))
                 gain = acceptance[b] ** depth
                 r = (tokens + gain) / (self.verify(rows + 1) + drafting + extra)
                 if r > best_rate:
@@ -98,15 +115,34 @@ class BatchCostPolicy:
 
     cost: BatchCost
     estimates: dict[int, AcceptanceEstimate] = field(default_factory=dict)
+    draft_scale: float = 1.0  # running seen / priced seconds of the shared draft's calls
+    draft_calls: int = 0
 
     def choose(self, members: list[int], caps: list[int],
                paid: list[bool] | None = None) -> list[int]:
         estimates = [self._estimate(m) for m in members]
-        ks = self.cost.choose([optimistic(e) for e in estimates], caps, paid)
+        ks = self.cost.choose([optimistic(e) for e in estimates], caps, paid, self.draft_scale)
         for e, k in zip(estimates, ks, strict=True):
             if not k:  # at rest: its evidence ages, so it probes again in a while
                 e.age()
         return ks
+
+    def observe_pass(self, rows: int, seconds: float) -> None:
+        """A timed target pass over `rows` rows (its verify curve learns it, if live)."""
+        if isinstance(self.cost.verify, LiveCurve):
+            self.cost.verify.observe(rows, seconds)
+
+    def observe_drafting(self, ks: list[int], seconds: float) -> None:
+        """A timed shared draft call for members drafting `ks`: the draft's rounds are priced
+        by the running ratio of seen to priced seconds (a call stalled by the machine moves it
+        by LIVE_CLIP-fold at most)."""
+        priced = self.cost.drafting(ks)
+        if priced <= 0 or seconds <= 0:
+            return
+        self.draft_calls += 1
+        old = self.draft_scale
+        ratio = min(max(seconds / priced, old / LIVE_CLIP), old * LIVE_CLIP)
+        self.draft_scale = old + max(LIVE_WEIGHT, 1 / self.draft_calls) * (ratio - old)
 
     def update(self, member: int, drafted: int, accepted: int) -> None:
         if drafted:

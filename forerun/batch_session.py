@@ -30,6 +30,7 @@ from forerun.metrics import Step
 from forerun.models.catalog import ModelError
 from forerun.policy import POLICIES, FixedK
 from forerun.prefix_cache import PrefixCache
+from forerun.profile import LiveCurve
 from forerun.propose import AUTO_TREE, AUTO_TREE_MAX, PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.draft_batch import SharedDraftModel
 from forerun.runtime.batch import PoolFull
@@ -235,7 +236,9 @@ class BatchSession:
         wants_draft = self._draft is not None and self._lengths is not None and \
             self._lengths.cost.draft_round is None
         if self._lengths is None or wants_draft:
-            cost = BatchCost(self.engine.batch_curve(self.target), None if self._draft is None
+            # the target's curve corrected by the passes it runs (the draft's by a ratio)
+            cost = BatchCost(LiveCurve(self.engine.batch_curve(self.target)),
+                             None if self._draft is None
                              else self.engine.batch_curve(self._draft.runtime))
             self._lengths = BatchCostPolicy(cost, {} if self._lengths is None
                                             else self._lengths.estimates)

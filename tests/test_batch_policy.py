@@ -7,8 +7,9 @@ a token's pass) drafts nothing; on a curve that is flat up to R rows then linear
 of the chosen draft tokens stays within the flat part and shrinks to 0 as the batch grows
 past R; a costly draft round drafts less; a member that is rarely accepted gets less than one
 that is; a new member is priced optimistically (it drafts where a prior-rate member would not),
-and one at rest after bad evidence comes back to drafting as its evidence ages; the calibration
-pass leaves the runtime's pool as it found it.
+and one at rest after bad evidence comes back to drafting as its evidence ages; draft calls or
+target passes slower than calibrated, as served, reprice drafting (off), and calls back at the
+calibrated price bring it back; the calibration pass leaves the runtime's pool as it found it.
 """
 
 from __future__ import annotations
@@ -86,6 +87,38 @@ def test_a_new_member_is_priced_optimistically_and_a_resting_one_probes_again():
     for _ in range(10):
         policy.update(2, 4, 4)  # accepted every time: it keeps drafting
     assert policy.choose([2], [4])[0] >= 2
+
+
+def test_draft_calls_slower_than_priced_turn_drafting_off_and_fast_ones_back_on():
+    """The draft's calibration says drafting pays; served draft calls take 4x what it priced
+    (catch-ups, a shared machine): the running ratio learns it and the policy stops drafting.
+    Calls as fast as priced bring the ratio back, and drafting with it."""
+    policy = BatchCostPolicy(PAIR)
+    for _ in range(20):
+        policy.update(1, 4, 4)  # always accepted: drafting pays at the calibrated price
+    assert policy.choose([1], [4])[0] > 0
+    for _ in range(12):
+        policy.observe_drafting([4], 4 * PAIR.drafting([4]))
+    assert policy.draft_scale > 3 and policy.choose([1], [4]) == [0]
+    for _ in range(40):
+        policy.observe_drafting([2], PAIR.drafting([2]))
+    assert policy.draft_scale < 1.2 and policy.choose([1], [4])[0] > 0
+    assert PAIR.drafting([3, 1, 0]) == pytest.approx(0.090 + 0.080 + 0.080)  # rounds of 2, 1, 1
+
+
+def test_target_passes_slower_than_calibrated_reprice_the_verify_curve():
+    """A live verify curve: passes of 5 rows seen at 3x their calibration make a 4-token draft
+    cost more than it gains, so the policy drafts less."""
+    from forerun.profile import LiveCurve
+
+    cheap = BatchCostPolicy(BatchCost(LiveCurve(ForwardCurve((1, 5), (0.1, 0.11)))))
+    for _ in range(20):
+        cheap.update(1, 4, 2)  # half of a draft accepted
+    assert cheap.choose([1], [4]) == [4]
+    cheap.observe_pass(1, 0.1)
+    for _ in range(30):
+        cheap.observe_pass(5, 0.33)
+    assert cheap.choose([1], [4])[0] < 4
 
 
 def test_batched_greedy_stays_lossless_under_the_batch_policy_and_drafts():
