@@ -187,7 +187,8 @@ class Engine:
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
         self.heads = heads
         # what proposers are built from; its stores are this sequence's (forks get their own)
-        self.proposers = ProposerContext(target, draft, heads, tokenizer)
+        # (its `shared`, the suffix method's index of earlier outputs, outlives every request)
+        self.proposers = ProposerContext(target, draft, heads, tokenizer, shared={})
         self._batches: dict[str, tuple[int, BatchRuntime]] = {}  # role -> (budget, its view)
         self._batch_curves: dict[str, ForwardCurve] = {}  # role -> its view's pass costs
 
@@ -210,9 +211,11 @@ class Engine:
     def fork(self) -> Engine:
         """An engine over the same weights with KV caches of its own: one more sequence that can
         be decoded between the steps of this engine's (the server holds one per request)."""
-        return Engine.from_runtimes(self.target.fork(), self.tokenizer,
-                                    self.draft.fork() if self.draft is not None else None,
-                                    self.spec, self.heads)
+        forked = Engine.from_runtimes(self.target.fork(), self.tokenizer,
+                                      self.draft.fork() if self.draft is not None else None,
+                                      self.spec, self.heads)
+        forked.proposers = replace(forked.proposers, shared=self.proposers.shared)  # one index
+        return forked
 
     def encode(self, prompt: str | list[int], raw: bool = False) -> list[int]:
         if isinstance(prompt, list):
@@ -251,7 +254,7 @@ class Engine:
             # the cost policy measures forward times at a runtime's first use (see profile.py)
             policy = POLICIES[spec.policy](spec, self.target, proposer.runtime)
             steps = speculative_decode(self.target, proposer, policy, ids, sampling, max_tokens,
-                                       stop_ids, generator, **asked)
+                                       stop_ids, generator, **asked, shadow=spec.shadow)
         out = TextOut(self.tokenizer, stop)
         for step in steps:
             text, hit = out.push(step.tokens, final=step.finish_reason is not None)
@@ -276,7 +279,7 @@ class Engine:
             token_ids=[t for c in chunks for t in c.token_ids],
             finish_reason=steps[-1].finish_reason or "length",
             stats=GenerationStats.from_steps(spec.method, spec.k if spec.method != "none" else 0,
-                                             start, steps),
+                                             start, steps, spec.shadow),
             prompt_tokens=len(ids),
             logprobs=None if kwargs.get("logprobs") is None else [
                 lp for s in steps for lp in s.logprobs],
@@ -329,7 +332,8 @@ class Engine:
         k = spec.k if spec.method != "none" else 0
         return [Completion(texts[id(q)].sent_text, [t for st in q.steps for t in st.tokens],
                            q.finish or "length",
-                           GenerationStats.from_steps(spec.method, k, start, q.steps),
+                           GenerationStats.from_steps(spec.method, k, start, q.steps,
+                                                      spec.shadow),
                            prompt_tokens=len(q.prompt)) for q in seqs]
 
     def kv_peak_bytes(self, reset: bool = False) -> int:

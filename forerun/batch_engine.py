@@ -18,7 +18,8 @@ length policy, generator, sampling, limits), and `step`, the phases of one pass 
                members through one probability transform and one batched rejection sampler,
                each with its own generator (seeded requests reproduce whatever they are
                batched with)
-  5. commit    each member's cache keeps its accepted path; its drafter forgets the rest
+  5. commit    each member's cache keeps its accepted path; its drafter forgets the rest (a
+               shadow member keeps its first token alone: what was accepted is only counted)
   6. adapt     each member's policy sees what was accepted
   7. emit      stop tokens, token budgets and context room, as the one-sequence loop (the
                grammar consumes what is emitted; logprobs from the raw rows where asked, and
@@ -86,6 +87,7 @@ class Sequence:
     # want every row, and `echoed` gathers them by prompt position for the first Step
     prompt_logprobs: int | None = None
     echoed: list[TokenLogprob | None] = field(default_factory=list)
+    shadow: bool = False  # its drafts are verified and scored, but one token a pass is kept
 
     @property
     def prefilled(self) -> bool:
@@ -120,7 +122,11 @@ def admit(runtime: BatchRuntime, seq: Sequence, reserve: int | None = None) -> N
 
 
 def retire(runtime: BatchRuntime, seq: Sequence) -> None:
-    """Free the sequence's cache region, and its drafter's."""
+    """Free the sequence's cache region, and its drafter's (hand a drafter that learns from
+    finished sequences the output)."""
+    if seq.proposer is not None and seq.proposer.needs.archive:
+        done = seq.resume or seq.tokens  # (a preempted member's are in `resume`)
+        seq.proposer.archive(done[len(seq.prompt):len(seq.prompt) + seq.emitted])
     if seq.proposer is not None and seq.proposer.group is not None:
         seq.proposer.group.release(seq.proposer)
     if seq.handle >= 0:
@@ -176,6 +182,9 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
                            logprobs=_logprobs(s, logits, spans[j], verdict))
             continue
         # 5. Commit the accepted path in the cache and the drafter (and its features).
+        would = len(verdict.path)  # draft tokens accepted (a shadow's: had it speculated)
+        if s.shadow:  # the first token alone: plain's (greedy), distributed as p (sampled)
+            verdict = TreeVerdict(verdict.tokens[:1], [])
         kept = [0, *(i + 1 for i in verdict.path)]  # the member's rows now final
         runtime.commit(s.handle, bases[j], kept)
         s.tokens.extend(verdict.tokens)
@@ -187,11 +196,11 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
                       else torch.tensor(kept) + rows.start)  # [n] rows of the packed pass
                 s.proposer.feed({i: output.hidden[i][at] for i in s.proposer.needs.hidden_layers})
             # 6. Adapt the member's draft length.
-            s.policy.update(drafted, len(verdict.path))
+            s.policy.update(drafted, would)
             if lengths is not None:
-                lengths.update(id(s), drafted, len(verdict.path))
+                lengths.update(id(s), drafted, would)
         # 7. Emit.
-        out[b] = _emit(runtime, s, verdict.tokens, drafted, len(verdict.path), now,
+        out[b] = _emit(runtime, s, verdict.tokens, drafted, would, now,
                        logprobs=_logprobs(s, logits, spans[j], verdict))
     return out
 

@@ -92,7 +92,7 @@ class BatchSession:
                                          engine.target.config.vocab_size))
         if spec.method == "none":
             return seq
-        seq.max_k = max_nodes(spec)
+        seq.max_k, seq.shadow = max_nodes(spec), spec.shadow
         if spec.method == "draft":
             seq.proposer = self._shared_draft().proposer(seq.slots())
         else:
@@ -104,7 +104,7 @@ class BatchSession:
             # each member its own drafter state (and stores: an EAGLE head's cache)
             seq.proposer = PROPOSERS[spec.method](spec, ProposerContext(
                 engine.target, None, engine.heads, engine.tokenizer, capacity=seq.slots(),
-                batch=self._group))
+                batch=self._group, shared=engine.proposers.shared))
         # under `joint` the batch's cost policy chooses k (capped by max_k, the request's k)
         seq.policy = (FixedK(spec.k) if self.joint else
                       POLICIES[spec.policy](spec, engine.target, seq.proposer.runtime))

@@ -31,16 +31,19 @@ def speculative_decode(target: Runtime, proposer: Proposer | None, policy: Lengt
                        prompt: list[int], sampling: SamplingConfig, max_new_tokens: int,
                        stop_ids: Collection[int], generator: torch.Generator,
                        logprobs: int | None = None, grammar: GrammarState | None = None,
-                       prompt_logprobs: int | None = None) -> Iterator[Step]:
+                       prompt_logprobs: int | None = None, shadow: bool = False
+                       ) -> Iterator[Step]:
     """Decode `prompt` on `target` with `proposer` drafting (None: plain decoding through the
     same step) and `policy` choosing each step's k -> its Steps as they happen (the first is
     the prefill's token); `logprobs`: each Step carries its tokens' logprobs with that many
     alternatives (None: none); `grammar`: the output is held to it (structured output);
-    `prompt_logprobs`: the first Step carries the prompt's own logprobs (echo)."""
+    `prompt_logprobs`: the first Step carries the prompt's own logprobs (echo); `shadow`:
+    drafts are verified and scored, one token a pass emitted (see `SpecConfig.shadow`)."""
     solo = SoloBatch(target)
     seq = Sequence(prompt, sampling, max_new_tokens, generator, stop_ids, proposer, policy,
                    max_k=target.capacity,  # a solo sequence's drafts are bounded by its room
-                   logprobs=logprobs, grammar=grammar, prompt_logprobs=prompt_logprobs)
+                   logprobs=logprobs, grammar=grammar, prompt_logprobs=prompt_logprobs,
+                   shadow=shadow)
     admit(solo, seq)
     try:
         while not seq.finish:

@@ -56,10 +56,14 @@ class GenerationStats:
     itl_s: float = 0.0
     tokens_per_s: float = 0.0
     wall_s: float = 0.0
+    # shadow speculation: drafted, accepted, the acceptance figures and the mean accepted length
+    # are what speculation would have had; one token was emitted a pass
+    shadow: bool = False
 
     @classmethod
-    def from_steps(cls, method: str, k: int, start: float, steps: list[Step]) -> GenerationStats:
-        s = cls(method=method, k=k)
+    def from_steps(cls, method: str, k: int, start: float, steps: list[Step],
+                   shadow: bool = False) -> GenerationStats:
+        s = cls(method=method, k=k, shadow=shadow)
         if not steps:
             return s
         verify = [st for st in steps if not st.prefill]

@@ -78,7 +78,7 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
 def spec_config(args: argparse.Namespace) -> SpecConfig:
     """The SpecConfig of the arguments add_spec_args defined."""
     return SpecConfig(args.method, args.k, args.policy, args.ngram_min, args.ngram_max,
-                      args.tree, args.tree_topk, args.lookup)
+                      args.tree, args.tree_topk, args.lookup, args.shadow)
 
 
 def load_engine(args: argparse.Namespace, console: Console | None = None) -> Engine:
@@ -113,6 +113,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="head methods: add the prompt-lookup continuation (as --method ngram "
                         "finds it, k long) to every draft as one more branch, priced by its "
                         "measured acceptance; pays on edits and summaries")
+    g.add_argument("--shadow", action="store_true",
+                   help="shadow speculation: draft and verify with --method, count what would "
+                        "have been accepted (the stats), but emit one token a pass, as plain "
+                        "decoding: measures a method's acceptance on real traffic first")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix to look up")
 

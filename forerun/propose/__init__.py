@@ -18,6 +18,14 @@ from forerun.propose.eagle import EagleProposer, shared_eagle
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer, VerifyCurve
 from forerun.propose.medusa import HydraProposer, MedusaProposer, shared_heads
 from forerun.propose.ngram import LookupBranch, NgramProposer
+from forerun.propose.suffix import (
+    DEFAULT_CACHE_TOKENS,
+    DEFAULT_FACTOR,
+    DEFAULT_MIN_PROB,
+    SuffixConfig,
+    SuffixProposer,
+    shared_index,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,12 @@ class SpecConfig:
     tree_topk: int = 4  # head methods: children kept per expanded tree node
     lookup: bool = False  # head methods: the prompt-lookup continuation (ngram_min..ngram_max
     # suffixes, k long) joins each draft as one more branch
+    shadow: bool = False  # draft and verify, count what would have been accepted, but emit one
+    # token a pass, as plain decoding does: acceptance measured before speculation is turned on
+    suffix_cache_tokens: int = DEFAULT_CACHE_TOKENS  # suffix: the global index of earlier
+    # outputs, in tokens (0 = none); the first suffix proposer of an engine sizes it
+    suffix_factor: float = DEFAULT_FACTOR  # suffix: draft nodes per matched token
+    suffix_min_prob: float = DEFAULT_MIN_PROB  # suffix: no draft node estimated less likely
 
     def __post_init__(self):
         if self.method != "none" and self.method not in PROPOSERS:
@@ -44,6 +58,11 @@ class SpecConfig:
         if self.lookup and self.method not in HEAD_PROPOSERS:
             raise ValueError(f"lookup joins a head method's drafts ({', '.join(HEAD_PROPOSERS)}"
                              f"), not {self.method!r}; for lookup alone use --method ngram")
+        self.suffix()  # checks the suffix method's options: a clear error for a bad one
+
+    def suffix(self) -> SuffixConfig:
+        """The suffix method's own options."""
+        return SuffixConfig(self.suffix_cache_tokens, self.suffix_factor, self.suffix_min_prob)
 
 
 def tree_budget(text: str) -> int:
@@ -63,6 +82,11 @@ def _draft(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
 
 def _ngram(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     return NgramProposer(spec.ngram_min, spec.ngram_max)
+
+
+def _suffix(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    cfg = spec.suffix()
+    return SuffixProposer(cfg, ctx.capacity or ctx.target.capacity, shared_index(ctx.shared, cfg))
 
 
 HeadArgs = tuple[Heads, int, int, int, VerifyCurve | None, bool, LookupBranch | None]
@@ -118,6 +142,7 @@ ProposerFactory = Callable[[SpecConfig, ProposerContext], Proposer]
 PROPOSERS: dict[str, ProposerFactory] = {
     "draft": _draft,
     "ngram": _ngram,
+    "suffix": _suffix,
     "medusa": _medusa,
     "hydra": _hydra,
     "eagle": _eagle,

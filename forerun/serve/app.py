@@ -263,9 +263,13 @@ def resolve_spec(field: Speculation | None, default: SpecConfig, *, has_draft: b
         raise APIError(400, f"need ngram_min ({ngram_min}) <= ngram_max ({ngram_max})",
                        param="speculation.ngram_min")
     k = default.k if field.k is None else field.k
+    if field.shadow and method == "none":
+        raise APIError(400, "shadow speculation needs a drafting method",
+                       param="speculation.shadow")
+    shadow = default.shadow if field.shadow is None else field.shadow
     return SpecConfig(method, k, policy, ngram_min, ngram_max, default.tree,
-                      default.tree_topk, default.lookup and method in HEAD_KINDS), \
-        field.stream_stats
+                      default.tree_topk, default.lookup and method in HEAD_KINDS,
+                      shadow and method != "none"), field.stream_stats
 
 
 class EventStream(StreamingResponse):

@@ -85,6 +85,9 @@ class ServerMetrics:
         self.drafts_per_pass = Histogram("forerun_draft_tokens_per_pass", "draft tokens "
                                          "verified in each target pass (all its requests)",
                                          buckets=DRAFT_BUCKETS, registry=r)
+        self.shadow_steps = Counter("forerun_shadow_verify_steps", "verify steps of shadow "
+                                    "requests (counted in the draft and accepted tokens as if "
+                                    "they speculated; they emitted one token each)", registry=r)
         self.passes = Counter("forerun_batch_passes", "target passes with decoding requests "
                               "that could draft, by what speculation did: full (each its k), "
                               "reduced (fewer) or off (none)", ["speculation"], registry=r)
@@ -95,12 +98,14 @@ class ServerMetrics:
         self._totals = [0, 0, 0]  # drafted, accepted, verify steps
         self._at: dict[int, list[int]] = {}  # position -> [drafted, accepted]
 
-    def observe_step(self, drafted: int, accepted: int, tokens: int, prefill: bool) -> None:
+    def observe_step(self, drafted: int, accepted: int, tokens: int, prefill: bool,
+                     shadow: bool = False) -> None:
         self.forward_passes.inc()
         self.generation_tokens.inc(tokens)
         if prefill:
             return
         self.verify_steps.inc()
+        self.shadow_steps.inc(shadow)
         self.drafted.inc(drafted)
         self.accepted.inc(accepted)
         with self._lock:

@@ -67,6 +67,7 @@ class Speculation(BaseModel):
     ngram_min: int | None = Field(None, ge=1, le=MAX_K)
     ngram_max: int | None = Field(None, ge=1, le=MAX_K)
     stream_stats: bool = Field(False, description="running speculation stats in every chunk")
+    shadow: bool | None = Field(None, description="draft and score, emit plain tokens")
 
 
 class StreamOptions(BaseModel):

@@ -388,7 +388,8 @@ class Worker:
         if step.finish_reason is not None:
             spec = run.spec
             k = spec.k if spec.method != "none" else 0
-            stats = GenerationStats.from_steps(spec.method, k, job.arrival, run.steps)
+            stats = GenerationStats.from_steps(spec.method, k, job.arrival, run.steps,
+                                               spec.shadow)
             self._finish(run, step.finish_reason,
                          Done(job.index, step.finish_reason, stats, run.tally.new_tokens))
 
@@ -425,7 +426,7 @@ class Worker:
 
     def _observe(self, run: Running, step: Step) -> None:
         m, n = self.metrics, len(step.tokens)
-        m.observe_step(step.drafted, step.accepted, n, step.prefill)
+        m.observe_step(step.drafted, step.accepted, n, step.prefill, run.spec.shadow)
         if not n:
             return
         if run.last_token_time is None:
