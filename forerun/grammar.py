@@ -110,9 +110,11 @@ class GrammarState:
 
     def cut(self, tokens: list[int], parents: list[int] | None) -> list[int]:
         """The nodes of a draft (a chain if `parents` is None) to keep: those whose path from
-        the root is valid under the grammar, in their order (parents before children)."""
+        the root is valid under the grammar, in their order (parents before children). Valid
+        as `masks` reads it: consumed by the matcher (a stop token where the grammar ends is
+        allowed there but never consumed, so it is cut; the target may still choose it)."""
         if parents is None:
-            return list(range(self.matcher.validate_tokens(tokens)))
+            return list(range(self._consumed(tokens)))
         valid: dict[int, bool] = {}
         for i, p in enumerate(parents):
             if p >= 0 and not valid[p]:
@@ -122,8 +124,14 @@ class GrammarState:
             while parents[path[-1]] >= 0:
                 path.append(parents[path[-1]])
             path = [tokens[j] for j in reversed(path)]
-            valid[i] = self.matcher.validate_tokens(path) == len(path)
+            valid[i] = self._consumed(path) == len(path)
         return [i for i in range(len(tokens)) if valid[i]]
+
+    def _consumed(self, tokens: list[int]) -> int:
+        """How many of `tokens` the matcher consumes from its state (which it keeps)."""
+        n = self.matcher.try_consume_tokens(tokens)
+        self.matcher.rollback(n)
+        return n
 
     def masks(self, tokens: list[int], paths: list[list[int]]) -> torch.Tensor:
         """[1 + N, V] bool, allowed tokens: row 0 now, row i + 1 after the tokens of

@@ -15,17 +15,23 @@ Statistics: a chi-square goodness-of-fit test against the exact distribution (ce
 expected count is below 5 pooled into one), and its power against a mutant from the mutant's
 exact distribution: the noncentral chi-square with lambda = n * chi-square divergence, over
 the same cells (asymptotic, as the test's own alpha is).
+
+Models for engine-level tests: `TableModel` (logits as a fixed random function of the prefix)
+behind the Runtime protocol (`TableRuntime`); `RuntimeTable`, a real runtime (a tiny
+transformer, which heads can draft from) read as a table; `Recorder`, a proposer wrapper that
+counts the draft tokens proposed at each depth.
 """
 
 from __future__ import annotations
 
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import torch
 from scipy.stats import chi2, ncx2
 
+from forerun.propose.base import Draft
 from forerun.runtime.base import Capabilities
 from forerun.sampling import sample
 from forerun.tree import TokenTree
@@ -400,3 +406,35 @@ class TableRuntime:
 
     def keep(self, start: int, rows: list[int]) -> None:
         self.tokens[start:] = [self.tokens[start + r] for r in rows]
+
+
+class RuntimeTable:
+    """A runtime read as a TableModel: `logits(prefix)` is one pass over the whole prefix
+    (cached), so a transformer's exact joint is computed as a table's is. Give it a runtime
+    of its own: each lookup resets its cache."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self._logits: dict[Prefix, torch.Tensor] = {}
+
+    def logits(self, prefix: Prefix) -> torch.Tensor:
+        if prefix not in self._logits:
+            self.runtime.truncate(0)
+            self._logits[prefix] = self.runtime.forward(torch.tensor(prefix)).logits[-1]  # [V]
+        return self._logits[prefix]
+
+
+class Recorder:
+    """A proposer as it is, counting the draft tokens it proposes at each depth (before the
+    engine cuts anything), so no deep-draft test is a one-token draft in disguise."""
+
+    def __init__(self, inner):
+        self.inner, self.depths = inner, Counter()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, tokens, k, sampling, generator) -> Draft:
+        draft = self.inner.propose(tokens, k, sampling, generator)
+        self.depths.update(TokenTree.of(draft.parents, len(draft.tokens)).depth)
+        return draft

@@ -6,11 +6,18 @@ its `tokenizers` JSON as it reads a real model's). Properties:
   n-gram, Medusa and EAGLE trees), alone and batched, equals plain decoding under the same
   grammar token for token, and the text matches the grammar (the schema validates);
 - drafts are cut at their first grammar-invalid token before verification (a chain to its
-  valid prefix, a tree to the nodes whose path is valid), checked on hand-built drafts;
-- sampling, by exact enumeration: under the regex `[ab][abc][ab]` the output has the masked
-  target's exact joint over the 12 strings (draft model K = 2; chi-square, ALPHA = 1e-4: the
-  module's false-failure probability; seen p = 0.33); the same test fails with every verified
-  row masked in the committed state instead (1748 of its 2000 outputs break the grammar);
+  valid prefix, a tree to the nodes whose path is valid), checked on hand-built drafts; a
+  stop token drafted where the grammar ends (n-gram lookup copying the prompt's) gives plain
+  decoding's output, not an error;
+- sampling, by exact enumeration: under the regex `[ab][abc][ab]` (T = 3) the output has the
+  masked target's exact joint over the 12 strings, for every method, each run's first verify
+  step 2 deep after the grammar's cut: the draft model (its q masked by the grammar), n-gram
+  lookup (the prompt holds "; aca; bab; "), a deterministic tree drafter whose forbidden
+  nodes the engine cuts out of the middle of its tree (`ValidTopTwo`), Medusa and EAGLE trees
+  of random heads with a reduced vocabulary of a, b, c. Chi-square at ALPHA = 1e-4 each: the
+  module's false-failure probability is 5e-4 (p-values seen: 0.084, 0.063, 0.21, 0.69,
+  0.76). The same test fails with every verified row masked in the committed state instead
+  (1392 of its 2000 outputs break the grammar);
 - a grammar that does not compile is a clear GrammarError before decoding.
 """
 
@@ -35,6 +42,8 @@ from forerun.grammar import Grammar, GrammarError, apply_masks, state_for
 from forerun.models.tokenizer import TextTokenizer
 from forerun.policy import POLICIES, FixedK
 from forerun.propose import HEAD_PROPOSERS, PROPOSERS, ProposerContext, SpecConfig
+from forerun.propose.base import Draft, Needs
+from forerun.propose.ngram import NgramProposer
 from forerun.runtime.batch import BatchTorchRuntime
 from forerun.runtime.torch_model import TorchRuntime
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
@@ -150,6 +159,23 @@ def test_drafts_are_cut_at_their_first_invalid_token():
     assert cut.tokens.tolist() == [a, b, c] and cut.parents.tolist() == [-1, 0, 1]
 
 
+def test_a_drafted_stop_token_where_the_grammar_ends_is_verified_or_cut():
+    """n-gram lookup copies "b<|im_end|>" from the prompt after the output's "a": under the
+    regex "ab" the stop token completes the output. Greedy n-gram equals plain decoding (found
+    on SmolLM2 under a JSON schema, where the prompt's example ended the chat turn: the draft
+    `cut` kept the stop token, which `masks` then refused)."""
+    eos = min(TOK.stop_ids)
+    prompt = [*TOK.encode("say ab: ab"), eos, *TOK.encode(" say ab: ")]
+    grammar = Grammar("regex", "ab")
+    outputs = []
+    for proposer in (None, NgramProposer(1, 4)):
+        steps = list(speculative_decode(_runtime(), proposer, proposer and FixedK(4), prompt,
+                                        SamplingConfig(grammar=grammar), 8, TOK.stop_ids,
+                                        make_generator(0), grammar=state_for(grammar, TOK, V)))
+        outputs.append([t for s in steps for t in s.tokens])
+    assert outputs[0] == outputs[1] == TOK.encode("ab")
+
+
 def test_a_grammar_that_does_not_compile_is_a_clear_error():
     for grammar in (Grammar("json_schema", "{not json"), Grammar("grammar", "start: (")):
         with pytest.raises(GrammarError, match="does not"):
@@ -158,45 +184,119 @@ def test_a_grammar_that_does_not_compile_is_a_clear_error():
 
 # --- sampling: the masked target's joint, by exact enumeration ----------------------------------
 
-RUNS, ALPHA = 2000, 1e-4
+RUNS, HEAD_RUNS, ALPHA, K = 2000, 1000, 1e-4, 2
 SMALL = Grammar("regex", "[ab][abc][ab]")
-SAMPLED = SamplingConfig(temperature=1.5, grammar=SMALL)
+A, B, C = (TOK.encode(x)[0] for x in "abc")
+# n-gram lookup finds "; a" and "; b" in it and drafts "ca" and "ab": valid from the first step
+SAMPLED_PROMPT = TOK.encode("; aca; bab; ")
+SAMPLED = SamplingConfig(temperature=3.0, grammar=SMALL)
+
+
+class ValidTopTwo:
+    """A deterministic two-level tree drafter under the grammar (`Needs.grammar`): after the
+    root and after each valid first-level node, the draft model's likeliest forbidden token,
+    then its two likeliest allowed ones (q = None). The engine cuts the forbidden nodes before
+    verification, a cut that is not a prefix: the tree verified is the 2 x 2 valid one."""
+
+    name, runtime, needs, group = "valid-top-two", None, Needs(grammar=True), None
+
+    def __init__(self, model: TorchRuntime):
+        self.model, self.grammar = model, None
+
+    def constrain(self, grammar) -> None:
+        self.grammar = grammar
+
+    def prefill(self, prompt):
+        pass
+
+    def commit(self, num_final):
+        pass
+
+    def _children(self, tokens: list[int], path: list[int]) -> list[int]:
+        allowed = self.grammar.draft_mask(path)  # [V], None: nothing may follow `path`
+        if allowed is None:
+            return []
+        self.model.truncate(0)
+        logits = self.model.forward(torch.tensor(tokens + path)).logits[-1]  # [V]
+        top = logits.masked_fill(~allowed, float("-inf")).topk(2)
+        valid = [t for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                 if v > float("-inf")]
+        return [int(logits.masked_fill(allowed, float("-inf")).argmax()), *valid]
+
+    def propose(self, tokens, k, sampling, generator) -> Draft:
+        first = self._children(tokens, []) if k >= 2 else []  # its two levels
+        nodes, parents = list(first), [-1] * len(first)
+        for i, x in enumerate(first):
+            kids = self._children(tokens, [x])  # none under a forbidden x
+            nodes += kids
+            parents += [i] * len(kids)
+        return Draft(torch.tensor(nodes, dtype=torch.long), None, torch.tensor(parents))
+
+
+def _abc_heads(kind: str):
+    """Random heads drafting trees of two children a node (6 nodes), their reduced vocabulary
+    (forerun.heads: the ids a head drafts, the frequent ones its training keeps) a, b and c,
+    as heads trained on this grammar's outputs would keep: their trees survive the grammar's
+    cut, where full-vocabulary random heads' drafts rarely do."""
+
+    def make(target):
+        heads = random_heads(kind, target, scale=0.5)
+        keep = torch.tensor([A, B, C])
+        # as Heads(cfg, keep, io) builds them: the ids, and the target's LM-head rows of them
+        heads.vocab_ids, heads.lm_rows = keep, heads.lm_rows[keep].contiguous()
+        return HEAD_PROPOSERS[kind](heads, target.capacity, 6, 2)
+
+    return make
+
+
+SAMPLED_CASES = {  # name -> (its proposer on the target, runs)
+    "draft-k2": (lambda t: PROPOSERS["draft"](SpecConfig("draft", K), ProposerContext(
+        t, _runtime(0.5))), RUNS),
+    "ngram-k2": (lambda t: NgramProposer(1, 4), RUNS),
+    "tree-2-levels": (lambda t: ValidTopTwo(_runtime(0.5)), RUNS),
+    "medusa-tree": (_abc_heads("medusa"), HEAD_RUNS),
+    "eagle-tree": (_abc_heads("eagle"), HEAD_RUNS),
+}
 
 
 def _exact_joint() -> dict[tuple[int, ...], float]:
+    """The masked target's probability of each of the 12 words, position by position."""
     rt, state = _runtime(), state_for(SMALL, TOK, V)
-    a, b, c = (TOK.encode(x)[0] for x in "abc")
     joint = {}
-    for word in itertools.product((a, b), (a, b, c), (a, b)):
+    for word in itertools.product((A, B), (A, B, C), (A, B)):
         prob = 1.0
         for i, token in enumerate(word):
             rt.truncate(0)
-            logits = rt.forward(torch.tensor(PROMPT + list(word[:i]))).logits[-1:]  # [1, V]
+            logits = rt.forward(torch.tensor(SAMPLED_PROMPT + list(word[:i]))).logits[-1:]  # [1, V]
             allowed = state.masks(list(word), [list(range(i))] if i else [])[-1:]  # [1, V]
             prob *= float(logits_to_probs(apply_masks(logits, allowed), SAMPLED)[0, token])
         joint[word] = prob
     return joint
 
 
-def _empirical(seed=2024) -> dict[tuple[int, ...], int]:
-    target, generator, counts = _runtime(), make_generator(seed), defaultdict(int)
-    proposer = PROPOSERS["draft"](SpecConfig("draft", 2), ProposerContext(target,
-                                                                          _runtime(0.5)))
-    drafted = 0
-    for _ in range(RUNS):
-        steps = list(speculative_decode(target, proposer, FixedK(2), PROMPT, SAMPLED, 8,
+def _empirical(name: str, seed=2024) -> tuple[dict[tuple[int, ...], int], int]:
+    """-> (counts of the generated words, runs whose first verify step drafted K deep after
+    the grammar's cut)."""
+    make, runs = SAMPLED_CASES[name]
+    target = _runtime()
+    proposer, generator = make(target), make_generator(seed)
+    counts, deep = defaultdict(int), 0
+    for _ in range(runs):
+        steps = list(speculative_decode(target, proposer, FixedK(K), SAMPLED_PROMPT, SAMPLED, 8,
                                         TOK.stop_ids, generator, grammar=state_for(SMALL, TOK, V)))
-        drafted = max(drafted, *(s.drafted for s in steps))
+        deep += steps[1].drafted == K
         counts[tuple(t for s in steps for t in s.tokens)] += 1
-    assert drafted == 2
-    return counts
+    return counts, deep
 
 
-def test_sampling_under_a_grammar_has_the_masked_targets_joint():
-    """Fails by chance with probability ALPHA."""
+@pytest.mark.parametrize("name", list(SAMPLED_CASES))
+def test_sampling_under_a_grammar_has_the_masked_targets_joint(name):
+    """Fails by chance with probability ALPHA. Every run's first verify step drafts K = 2
+    deep after the grammar's cut (the prefill emitted the word's first letter)."""
     joint = _exact_joint()
     assert abs(sum(joint.values()) - 1) < 1e-9
-    counts = _empirical()
+    counts, deep = _empirical(name)
+    assert deep == SAMPLED_CASES[name][1], deep
     assert set(counts) <= set(joint), "an output the grammar forbids"
     assert chi_square_pvalue(joint, counts) > ALPHA
 
@@ -211,6 +311,6 @@ def test_masking_draft_rows_in_the_committed_state_fails_the_same_test(monkeypat
     monkeypatch.setattr(forerun.grammar.GrammarState, "masks", stale)
     monkeypatch.setattr(forerun.grammar.GrammarState, "commit", lambda self, tokens: (
         self.matcher.try_consume_tokens(tokens)))
-    counts = _empirical()
+    counts, _ = _empirical("draft-k2")
     monkeypatch.undo()
     assert chi_square_pvalue(_exact_joint(), counts) < ALPHA

@@ -9,8 +9,8 @@ verify step of every run drafts K tokens (the engine caps a draft at max_new - e
 the prefill emits one): chains K = 2..4 deep (draft model; n-gram lookup; the adaptive and the
 cost policy, whose later lengths depend on earlier outcomes), trees two and three levels deep
 (EAGLE, Medusa; a deterministic two-level tree drafter). Every test counts the draft tokens
-proposed at each depth (`Recorder`, a wrapper around the proposer) and asserts them, so no
-case is a one-token draft in disguise.
+proposed at each depth (tests/exact.py's `Recorder`, a wrapper around the proposer) and asserts
+them, so no case is a one-token draft in disguise.
 
 Power: the engine-level test with a broken verifier injected (tests/exact.py's chain mutants in
 place of forerun.batch_engine.rejection_sample under the draft model, its tree mutants in place of
@@ -27,7 +27,7 @@ stated escape probability (4.1e-11 at most). Module total: 9 * 1e-4 + 5e-11 < 1e
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from functools import cache
 
 import pytest
@@ -36,6 +36,8 @@ from conftest import random_heads, tiny_runtime
 from exact import (
     Bug,
     DraftCase,
+    Recorder,
+    RuntimeTable,
     TableModel,
     TableRuntime,
     chain_mutant,
@@ -95,33 +97,13 @@ def heads_target():
 def rows(model: str, sampling: SamplingConfig):
     """prefix (generated tokens) -> the model's distribution after PROMPT + prefix, for
     "target", "draft" (the tables) or "heads-target" (the transformer, one pass a prefix)."""
-    rt = heads_target() if model == "heads-target" else None
-    table = DRAFT if model == "draft" else TARGET
+    table = {"target": TARGET, "draft": DRAFT}.get(model) or RuntimeTable(heads_target())
 
     @cache
     def row(prefix: tuple[int, ...]) -> torch.Tensor:
-        if rt is None:
-            return logits_to_probs(table.logits((*PROMPT, *prefix)), sampling)
-        rt.truncate(0)
-        return logits_to_probs(rt.forward(torch.tensor(PROMPT + list(prefix))).logits[-1],
-                               sampling)
+        return logits_to_probs(table.logits((*PROMPT, *prefix)), sampling)
 
     return row
-
-
-class Recorder:
-    """A proposer as it is, counting the draft tokens it proposes at each depth."""
-
-    def __init__(self, inner):
-        self.inner, self.depths = inner, Counter()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def propose(self, tokens, k, sampling, generator) -> Draft:
-        draft = self.inner.propose(tokens, k, sampling, generator)
-        self.depths.update(TokenTree.of(draft.parents, len(draft.tokens)).depth)
-        return draft
 
 
 def empirical(proposer, policy, sampling, new_tokens, runs=RUNS, seed=2024, target=None):
@@ -298,7 +280,7 @@ def test_the_engine_with_a_mutant_verifier_fails(name, monkeypatch):
     ALPHA (it does not with the probability stated in MUTANTS)."""
     bug, is_tree, _ = MUTANTS[name]
     if is_tree:
-        monkeypatch.setattr(forerun.batch_engine, "recursive_rejection_sample", tree_mutant(bug))
+        monkeypatch.setitem(forerun.batch_engine.TREE_VERIFIERS, "rrs", tree_mutant(bug))
         proposer, K = TopTwoTree(TEMPERATURE), TREE_K
     else:
         monkeypatch.setattr(forerun.batch_engine, "batch_rejection_sample",

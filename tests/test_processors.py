@@ -7,13 +7,16 @@ Properties:
   n-gram, Medusa and EAGLE trees), alone and in a mixed batch, equals plain greedy decoding
   with the same processing token for token, and the processing changes that output (so the
   equality is not the unprocessed one);
-- sampling, by exact enumeration (tests/exact.py's table models, V = 3): the engine's output
-  with the draft model K = 3 deep, n-gram lookup and a deterministic two-level tree has the
-  processed target's joint (each position processed with the history before it, drafted
-  tokens included). Each check fails by chance with probability ALPHA = 1e-4: module total
-  3e-4. A verifier that processes a draft's rows with the committed history only (the draft's
-  earlier tokens left out) must fail the same test: on its seed its p-value is 4e-278 (the
-  real verifier's, same seed: 1.2e-3).
+- sampling, by exact enumeration (V = 3): the engine's output with the draft model K = 3 deep,
+  n-gram lookup and a deterministic two-level tree (tests/exact.py's table models), and with
+  Medusa (3 levels) and EAGLE (2 levels) trees of random heads on a tiny transformer (read as
+  a table: exact.RuntimeTable), has the processed target's joint (each position processed
+  with the history before it, drafted tokens included); the draft tokens proposed at each
+  depth are counted (exact.Recorder) and the drafts are K deep, the head drafts trees. Each of
+  the 5 checks fails by chance with probability ALPHA = 1e-4: module total 5e-4 (p-values
+  seen: 0.26, 0.19, 0.71, 0.44, 0.84). A verifier that processes a draft's rows with the
+  committed history only (the draft's earlier tokens left out) must fail the same test: on
+  its seed its p-value is 7.7e-246 (the real verifier's, same seed: 0.26).
 """
 
 from __future__ import annotations
@@ -23,8 +26,15 @@ from functools import cache
 
 import pytest
 import torch
-from conftest import random_heads, tiny_model
-from exact import TableModel, TableRuntime, chi_square_pvalue, target_joint
+from conftest import random_heads, tiny_model, tiny_runtime
+from exact import (
+    Recorder,
+    RuntimeTable,
+    TableModel,
+    TableRuntime,
+    chi_square_pvalue,
+    target_joint,
+)
 
 import forerun.batch_engine
 from forerun.batch_engine import Sequence, run_to_completion
@@ -181,18 +191,31 @@ def test_a_draft_equal_to_the_target_is_shaped_alike_and_always_accepted():
 
 # --- sampling: the processed target's joint, by exact enumeration --------------------------------
 
-V, ALPHA, RUNS = 3, 1e-4, 2000
+V, ALPHA, RUNS, HEAD_RUNS = 3, 1e-4, 2000, 1000
 TABLE_PROMPT = (1, 2, 0, 1, 2, 0, 1)
 TARGET, DRAFT = TableModel(V, seed=1), TableModel(V, seed=1, noise=1.0)
 # strong enough that the history decides: a token's second use is far less likely
 SAMPLED = SamplingConfig(temperature=1.0, processing=Processing.of(1.3, 0.8, 0.6, {2: 0.5}))
 
 
+def target_runtime(model: str):
+    """The engine's target: the "table" (TARGET), or the "transformer" heads draft from (its
+    features), a tiny one."""
+    return TableRuntime(TARGET) if model == "table" else tiny_runtime(0, vocab=V)
+
+
 @cache
-def processed_row(prefix: tuple[int, ...]) -> torch.Tensor:
-    """The processed target's distribution after TABLE_PROMPT + prefix (generated)."""
+def transformer_table() -> RuntimeTable:
+    return RuntimeTable(target_runtime("transformer"))
+
+
+@cache
+def processed_row(model: str, prefix: tuple[int, ...]) -> torch.Tensor:
+    """The processed distribution of the target `model` after TABLE_PROMPT + prefix
+    (generated): the transformer read as a table (one pass a prefix)."""
+    table = TARGET if model == "table" else transformer_table()
     history = (*TABLE_PROMPT, *prefix)
-    logits = process_row(TARGET.logits(history), SAMPLED.processing, history, len(TABLE_PROMPT))
+    logits = process_row(table.logits(history), SAMPLED.processing, history, len(TABLE_PROMPT))
     return logits_to_probs(logits, SAMPLED)
 
 
@@ -216,31 +239,57 @@ class TopTwo:
         pass
 
 
-SAMPLED_CASES = {  # name -> (proposer, K, new tokens)
-    "draft-k3": (lambda: DraftModelProposer(TableRuntime(DRAFT), V), 3, 5),
-    "ngram-k3": (lambda: NgramProposer(1, 4), 3, 5),
-    "tree-2-levels": (TopTwo, 2, 4),
+def _heads(kind: str, budget: int):
+    """Random heads on the transformer target: trees of two children a node, cut to the
+    node budget, as test_lossless_deep's head cases."""
+
+    def make(target):
+        heads = random_heads(kind, target, scale=0.5)
+        return HEAD_PROPOSERS[kind](heads, target.capacity, budget, 2)
+
+    return make
+
+
+SAMPLED_CASES = {  # name -> (target model, proposer on its runtime, K, new tokens, runs)
+    "draft-k3": ("table", lambda t: DraftModelProposer(TableRuntime(DRAFT), V), 3, 5, RUNS),
+    "ngram-k3": ("table", lambda t: NgramProposer(1, 4), 3, 5, RUNS),
+    "tree-2-levels": ("table", lambda t: TopTwo(), 2, 4, RUNS),
+    "medusa-tree-3-levels": ("transformer", _heads("medusa", 6), 3, 5, HEAD_RUNS),
+    "eagle-tree-2-levels": ("transformer", _heads("eagle", 5), 2, 4, HEAD_RUNS),
 }
 
 
-def _empirical(make, K, new, seed=2024):
-    target, proposer = TableRuntime(TARGET), make()
-    generator, counts, depth = make_generator(seed), defaultdict(int), 0
-    for _ in range(RUNS):
-        steps = list(speculative_decode(target, proposer, FixedK(K), list(TABLE_PROMPT),
-                                        SAMPLED, new, (), generator))
-        depth = max(depth, *(s.drafted for s in steps))
+def _empirical(name, seed=2024):
+    """-> (counts of the generated sequences, draft tokens proposed at each depth)."""
+    model, make, K, new, runs = SAMPLED_CASES[name]
+    target = target_runtime(model)
+    proposer = Recorder(make(target))
+    generator, counts = make_generator(seed), defaultdict(int)
+    for _ in range(runs):
+        steps = speculative_decode(target, proposer, FixedK(K), list(TABLE_PROMPT), SAMPLED, new,
+                                   (), generator)
         counts[tuple(t for s in steps for t in s.tokens)] += 1
-    return counts, depth
+    return counts, proposer.depths
+
+
+def _exact(name):
+    model, _, _, new, _ = SAMPLED_CASES[name]
+    return target_joint(lambda prefix: processed_row(model, prefix), new)
 
 
 @pytest.mark.parametrize("name", list(SAMPLED_CASES))
 def test_sampled_speculation_has_the_processed_targets_joint(name):
-    """Fails by chance with probability ALPHA."""
-    make, K, new = SAMPLED_CASES[name]
-    counts, depth = _empirical(make, K, new)
-    assert depth == K  # drafts really are K deep
-    assert chi_square_pvalue(target_joint(processed_row, new), counts) > ALPHA
+    """Fails by chance with probability ALPHA. Drafts really are K deep: every run's first
+    step drafts K (NEW >= K + 2; n-gram lookup where the text continues the prompt's period),
+    and the trees have more nodes than a chain's K a step."""
+    _, _, K, _, runs = SAMPLED_CASES[name]
+    counts, depths = _empirical(name)
+    assert max(depths) == K, depths
+    if not name.startswith("ngram"):
+        assert all(depths[d] >= runs for d in range(1, K + 1)), depths
+    if not name.startswith(("draft", "ngram")):
+        assert sum(depths.values()) > runs * K, depths  # trees, not chains
+    assert chi_square_pvalue(_exact(name), counts) > ALPHA
 
 
 def _stale_history(live, drafts, trees, spans, logits):
@@ -254,6 +303,5 @@ def _stale_history(live, drafts, trees, spans, logits):
 
 def test_processing_rows_without_the_drafts_history_fails_the_same_test(monkeypatch):
     monkeypatch.setattr(forerun.batch_engine, "_processed", _stale_history)
-    make, K, new = SAMPLED_CASES["draft-k3"]
-    counts, _ = _empirical(make, K, new)
-    assert chi_square_pvalue(target_joint(processed_row, new), counts) < ALPHA
+    counts, _ = _empirical("draft-k3")
+    assert chi_square_pvalue(_exact("draft-k3"), counts) < ALPHA
