@@ -3,7 +3,8 @@
 Owns: turning flags into a BenchConfig, loading the engine and the peers once, the progress bar
 (stderr, with ETA), the table (stdout), `results.json` and the PNG in --out, and the last stdout
 line: one JSON summary for scripts. `forerun bench curve` measures the runtime's forward-time
-curve instead (the cost model every speedup depends on).
+curve instead (the cost model every speedup depends on); `structured` and `processors` hand
+over to `forerun.bench.structured` and `forerun.bench.processor_cost`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from forerun.api import DEFAULT_KV_BUDGET_BYTES, Engine, LoadConfig, head_precision, heads_device
-from forerun.bench import report, serve_bench, throughput
+from forerun.bench import processor_cost, report, serve_bench, structured, throughput
 from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
 from forerun.bench.runner import BenchConfig, run_bench, runs_per_prompt
 from forerun.bench.serve_bench import add_serve_args
@@ -38,6 +39,7 @@ CURVE_SIZES = tuple(range(1, 33))
 CURVE_CONTEXT = 200
 DEFAULT_OUT = "out/bench"
 TABLE_WIDTH = 160  # when stdout is not a terminal (files, CI logs)
+STRUCTURED = ("structured", "processors")  # a schema's speedup, processors' cost
 
 
 def add_parser(sub) -> None:
@@ -55,8 +57,16 @@ def add_parser(sub) -> None:
         "serve: start forerun serve once per --spec-policies (and/or take --base-url servers: "
         "vLLM, llama-server), drive 1..32 concurrent streaming chat clients over the prompts, "
         "and report total and per-request tok/s, TTFT and ITL p50/p99 and peak server RSS; "
-        "serve_bench.json/.png.")
-    b.add_argument("mode", nargs="?", choices=["methods", "curve", "throughput", "serve"],
+        "serve_bench.json/.png. structured: the PyPI-metadata JSON-extraction prompts, each free "
+        "and under its json_schema, through plain decoding and every --methods x --ks cell "
+        "(default draft k=4, greedy): tok/s, speedup over plain of the same mode, acceptance, "
+        "tokens per verify pass, valid-JSON share, identity with plain, and the schema/free "
+        "speedup ratio; structured.json/.png. processors: plain decoding at batch "
+        "1 on the same prompts, fast path vs the batch step, each without and with penalties + "
+        "logit_bias, and under the schema: time per token over the fast path's; "
+        "processors.json/.png.")
+    b.add_argument("mode", nargs="?", choices=["methods", "curve", "throughput", "serve",
+                                              *STRUCTURED],
                    default="methods", help="what to measure")
     b.add_argument("--workload", action="append", default=None,
                    help=f"{' or '.join(BUILTIN)} or a JSONL file, optionally NAME:N for N "
@@ -64,7 +74,9 @@ def add_parser(sub) -> None:
                         "editeval)")
     b.add_argument("--limit", type=int, default=5, help="prompts per category (0 = all)")
     b.add_argument("--seed", type=int, default=0, help="prompt sample, run order and sampling")
-    b.add_argument("--methods", default="draft,ngram", help="comma-separated drafting methods")
+    b.add_argument("--methods", default=None,
+                   help="comma-separated drafting methods (default: draft,ngram; structured: "
+                        "draft)")
     b.add_argument("--ks", default="4", help="comma-separated draft lengths")
     b.add_argument("--temperatures", default="0", help="comma-separated; 0 = greedy")
     b.add_argument("--policies", default="fixed",
@@ -115,12 +127,17 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stream = sys.stderr if args.json else sys.stdout
     console = Console(file=stream, width=None if stream.isatty() else TABLE_WIDTH)
+    args.methods = args.methods or ("draft" if args.mode in STRUCTURED else "draft,ngram")
     cfg = BenchConfig(methods=_csv(args.methods), ks=_csv(args.ks, int),
                       temperatures=_csv(args.temperatures, float), policies=_csv(args.policies),
                       max_tokens=args.max_tokens, seed=args.seed, tree=args.tree,
                       tree_topk=args.tree_topk, lookup=args.lookup, repeats=args.repeats)
     cfg.cells()  # validates method names and k before anything loads
     load = load_config(args)
+    if args.mode == "structured":
+        return structured.run(args, out, console, _meta(args, load), cfg.cells()[1:], load)
+    if args.mode == "processors":
+        return processor_cost.run(args, out, console, _meta(args, load), load)
     if args.mode == "serve":  # the servers load the models, each in its own process
         return serve_bench.run(args, out, _meta(args, load))
     curve = args.mode == "curve"
