@@ -154,7 +154,7 @@ class Engine:
         if target_src.config is None:
             raise ModelError(f"{target}: architecture not supported by the torch runtime "
                              "(supported: llama, qwen2)")
-        draft_src = open_model(draft) if draft and spec.method == "draft" else None
+        draft_src = open_model(draft) if draft and spec.uses_draft else None
         draft_rt = load_draft(target_src, draft_src, load) if draft_src else None
         target_rt = target_src.load(dtype=load.dtype, device=load.device, context=load.context,
                                     runtime=load.runtime)

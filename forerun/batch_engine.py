@@ -51,8 +51,9 @@ from forerun.runtime.batch import BatchRuntime, PackedBatch, PoolFull
 from forerun.sampling import SamplingConfig, logits_to_probs_rows
 from forerun.stopping import check_prompt, cut
 from forerun.tree import TokenTree
-from forerun.verify import TreeVerdict, Verdict, greedy_accept, recursive_rejection_sample
+from forerun.verify import TreeVerdict, Verdict, greedy_accept
 from forerun.verify_batch import batch_rejection_sample
+from forerun.verify_spectr import TREE_VERIFIERS
 
 # Under a pass's token budget, prompt chunks get at least this share of it however many
 # decode rows there are: a queue of prompts keeps moving under a full batch
@@ -273,8 +274,8 @@ def _verify_all(live: list[Sequence], drafts: list[Draft | None], trees: list[To
                 verdicts[b] = v
         for b in (b for b in sampled if verdicts[b] is None):  # the trees
             d = drafts[b]
-            verdicts[b] = recursive_rejection_sample(trees[b], d.tokens, p[at[b]], d.q,
-                                                     live[b].generator)
+            verify_tree = TREE_VERIFIERS[live[b].proposer.needs.tree_verifier]
+            verdicts[b] = verify_tree(trees[b], d.tokens, p[at[b]], d.q, live[b].generator)
     return verdicts
 
 

@@ -268,8 +268,10 @@ def _preemptible(seq: Sequence) -> bool:
 def max_nodes(spec: SpecConfig) -> int:
     """The most draft nodes one verify pass of a batch member may hold (its cache slack): a
     chain's k (the adaptive policy's longest), a head tree's node budget (an automatic one's
-    most, and a lookup branch's chain beside it)."""
+    most, and a lookup branch's chain beside it; multi's k per method it joins)."""
     k = MAX_BATCH_K if spec.policy == "adaptive" else spec.k
+    if spec.method == "multi":
+        return k * len(spec.multi_methods)
     if spec.method not in KINDS or spec.tree == 0:
         return k + (k if spec.lookup else 0)
     return (AUTO_TREE_MAX if spec.tree == AUTO_TREE else spec.tree) + (k if spec.lookup else 0)

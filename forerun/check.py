@@ -53,6 +53,7 @@ from forerun.verify import (
     rejection_sample,
 )
 from forerun.verify_batch import batch_rejection_sample, each_member
+from forerun.verify_spectr import TREE_VERIFIERS
 
 PASS, NEAR_TIE, FAIL = "pass", "near-tie", "fail"
 GREEDY = SamplingConfig()
@@ -121,7 +122,8 @@ def _in_engine(verifier: Verifier) -> Iterator[None]:
         yield
         return
     names = {"batch_rejection_sample": verifier.chains or each_member(verifier.chain),
-             "recursive_rejection_sample": verifier.tree, "greedy_accept": verifier.greedy}
+             "TREE_VERIFIERS": {**TREE_VERIFIERS, "rrs": verifier.tree},
+             "greedy_accept": verifier.greedy}
     saved = {name: getattr(decode_loop, name) for name in names}
     try:
         for name, fn in names.items():

@@ -22,7 +22,10 @@ from forerun.models.load import DEFAULT_CONTEXT, DTYPES, RUNTIMES
 from forerun.policy import POLICIES
 from forerun.processors import Processing
 from forerun.propose import PROPOSERS, SpecConfig, tree_budget
+from forerun.propose.multi import DEFAULT_METHODS, parse_methods
+from forerun.propose.suffix import DEFAULT_CACHE_TOKENS, DEFAULT_FACTOR, DEFAULT_MIN_PROB
 from forerun.sampling import SamplingConfig
+from forerun.verify_spectr import TREE_VERIFIERS
 
 EXIT_USAGE = 2  # an expected error (bad input): a one-line message, then this status
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
@@ -78,12 +81,16 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
 def spec_config(args: argparse.Namespace) -> SpecConfig:
     """The SpecConfig of the arguments add_spec_args defined."""
     return SpecConfig(args.method, args.k, args.policy, args.ngram_min, args.ngram_max,
-                      args.tree, args.tree_topk, args.lookup, args.shadow)
+                      args.tree, args.tree_topk, args.lookup, args.shadow,
+                      suffix_cache_tokens=args.suffix_cache_tokens,
+                      suffix_factor=args.suffix_factor, suffix_min_prob=args.suffix_min_prob,
+                      suffix_cache_dir=args.suffix_cache_dir,
+                      multi_methods=parse_methods(args.multi), multi_verifier=args.multi_verifier)
 
 
 def load_engine(args: argparse.Namespace, console: Console | None = None) -> Engine:
     """The Engine of the model and speculation arguments (the draft only when it drafts)."""
-    needs_draft = args.method == "draft"
+    needs_draft = spec_config(args).uses_draft
     what = f"loading {args.target}" + (f" + {args.draft}" if needs_draft else "")
     with (console or err).status(what):
         return Engine(args.target, args.draft if needs_draft else None, spec=spec_config(args),
@@ -119,6 +126,27 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "decoding: measures a method's acceptance on real traffic first")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix to look up")
+    g.add_argument("--suffix-cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, metavar="N",
+                   help="--method suffix: the index of earlier requests' outputs that every "
+                        "request of this engine or server drafts from, in tokens (28-40 bytes "
+                        "each; oldest evicted first; 0 = none) (default: %(default)s)")
+    g.add_argument("--suffix-factor", type=float, default=DEFAULT_FACTOR, metavar="A",
+                   help="--method suffix: at most A x the match length draft nodes (and at "
+                        "most -k) (default: %(default)s)")
+    g.add_argument("--suffix-min-prob", type=float, default=DEFAULT_MIN_PROB, metavar="P",
+                   help="--method suffix: no draft node whose estimated probability (its "
+                        "continuation's frequency) is below P (default: %(default)s)")
+    g.add_argument("--multi", default=",".join(DEFAULT_METHODS), metavar="METHODS",
+                   help="--method multi: the methods whose drafts join one tree each step, "
+                        "comma-separated; one listed k times drafts k times (default: "
+                        "%(default)s)")
+    g.add_argument("--multi-verifier", default="rrs", choices=list(TREE_VERIFIERS),
+                   help="--method multi: rrs = merged into a trie, recursive rejection "
+                        "sampling; spectr = SpecTr's k-sequential selection over k i.i.d. "
+                        "drafts kept apart (--multi draft,draft,...) (default: %(default)s)")
+    g.add_argument("--suffix-cache-dir", default=None, metavar="DIR",
+                   help="--method suffix: keep the index of earlier outputs in DIR between runs "
+                        "(loaded at its first use, written when the process exits)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ and never branches on their names; what a proposer needs of it, it declares in `
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from forerun.heads import Heads
 from forerun.profile import calibrated_curve
@@ -17,6 +17,7 @@ from forerun.propose.draft_model import DraftModelProposer
 from forerun.propose.eagle import EagleProposer, shared_eagle
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer, VerifyCurve
 from forerun.propose.medusa import HydraProposer, MedusaProposer, shared_heads
+from forerun.propose.multi import DEFAULT_METHODS, MultiConfig, MultiProposer
 from forerun.propose.ngram import LookupBranch, NgramProposer
 from forerun.propose.suffix import (
     DEFAULT_CACHE_TOKENS,
@@ -46,6 +47,9 @@ class SpecConfig:
     # outputs, in tokens (0 = none); the first suffix proposer of an engine sizes it
     suffix_factor: float = DEFAULT_FACTOR  # suffix: draft nodes per matched token
     suffix_min_prob: float = DEFAULT_MIN_PROB  # suffix: no draft node estimated less likely
+    suffix_cache_dir: str | None = None  # suffix: where the global index is kept between runs
+    multi_methods: tuple[str, ...] = DEFAULT_METHODS  # multi: the methods whose drafts join
+    multi_verifier: str = "rrs"  # multi: rrs (a merged trie) or spectr (i.i.d. drafts apart)
 
     def __post_init__(self):
         if self.method != "none" and self.method not in PROPOSERS:
@@ -59,10 +63,25 @@ class SpecConfig:
             raise ValueError(f"lookup joins a head method's drafts ({', '.join(HEAD_PROPOSERS)}"
                              f"), not {self.method!r}; for lookup alone use --method ngram")
         self.suffix()  # checks the suffix method's options: a clear error for a bad one
+        unknown = [m for m in self.multi().methods if m not in PROPOSERS]
+        if unknown:
+            raise ValueError(f"multi: unknown methods {unknown}; choose from "
+                             f"{', '.join(m for m in PROPOSERS if m != 'multi')}")
 
     def suffix(self) -> SuffixConfig:
         """The suffix method's own options."""
-        return SuffixConfig(self.suffix_cache_tokens, self.suffix_factor, self.suffix_min_prob)
+        return SuffixConfig(self.suffix_cache_tokens, self.suffix_factor, self.suffix_min_prob,
+                            self.suffix_cache_dir)
+
+    def multi(self) -> MultiConfig:
+        """The multi method's own options."""
+        return MultiConfig(tuple(self.multi_methods), self.multi_verifier)
+
+    @property
+    def uses_draft(self) -> bool:
+        """Whether it drafts with the draft model (method draft, or multi with draft)."""
+        return self.method == "draft" or (self.method == "multi" and
+                                          "draft" in self.multi_methods)
 
 
 def tree_budget(text: str) -> int:
@@ -87,6 +106,14 @@ def _ngram(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
 def _suffix(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     cfg = spec.suffix()
     return SuffixProposer(cfg, ctx.capacity or ctx.target.capacity, shared_index(ctx.shared, cfg))
+
+
+def _multi(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    """Each sub-method's proposer as it would be built alone (drafting alone: no batch's
+    shared heads), joined."""
+    cfg = spec.multi()
+    alone = replace(ctx, batch=None)
+    return MultiProposer([PROPOSERS[m](replace(spec, method=m), alone) for m in cfg.methods], cfg)
 
 
 HeadArgs = tuple[Heads, int, int, int, VerifyCurve | None, bool, LookupBranch | None]
@@ -143,6 +170,7 @@ PROPOSERS: dict[str, ProposerFactory] = {
     "draft": _draft,
     "ngram": _ngram,
     "suffix": _suffix,
+    "multi": _multi,
     "medusa": _medusa,
     "hydra": _hydra,
     "eagle": _eagle,

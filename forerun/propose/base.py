@@ -4,9 +4,10 @@ Owns: the seam every drafting method plugs into. A proposer sees the whole token
 (prompt + output), proposes up to k next tokens, and is told after verification how much of the
 sequence is final so it can roll back any state (a KV cache) built on rejected tokens.
 What a proposer needs beyond the tokens (target features, extra verify rows, a store kept
-across its sequence's proposers) it declares in `needs`, a `Needs` record the engine reads;
-nothing probes a proposer for optional attributes. A factory in `forerun.propose.PROPOSERS`
-builds one from the speculation config and a `ProposerContext`, the models and stores it may use.
+across its sequence's proposers, its output once finished) it declares in `needs`, a `Needs`
+record the engine reads; nothing probes a proposer for optional attributes. A factory in
+`forerun.propose.PROPOSERS` builds one from the speculation config and a `ProposerContext`, the
+models and stores it may use.
 Also `AcceptanceEstimate`, the running per-token acceptance that prices drafts (the cost length
 policy, the lookup branch of a head's tree).
 """
@@ -59,6 +60,10 @@ class Needs:
     shared_store: bool = False  # keeps state in ProposerContext.stores (across its proposers)
     grammar: bool = False  # drafts under the sequence's grammar: handed its state through
     # `constrain` at admission (structured output), it masks its own q
+    archive: bool = False  # is handed its sequence's output through `archive` when the
+    # sequence leaves the engine (the suffix method's index of earlier outputs)
+    tree_verifier: str = "rrs"  # how its sampled trees are verified: a key of
+    # forerun.verify_spectr.TREE_VERIFIERS ("spectr": siblings are i.i.d. draws from one q)
 
     def hidden_from(self, prompt_len: int) -> int:
         """The first prompt row whose features it reads (the target returns those only)."""
@@ -82,6 +87,10 @@ class ProposerContext:
     # heads, which compute every member's root in one call); the batch that builds them owns
     # it. None = a sequence decoded alone
     batch: dict[str, Any] | None = None
+    # state shared by every proposer an engine (and its forks, a server's requests) builds, by
+    # name: the suffix method's index of earlier outputs; the Engine owns it. None = nothing
+    # outlives its sequence
+    shared: dict[str, Any] | None = None
 
 
 @dataclass
@@ -143,6 +152,15 @@ class ConstrainedProposer(Proposer, Protocol):
     def constrain(self, grammar) -> None:
         """The sequence's `forerun.grammar.GrammarState`, at admission: each drafted position
         masks q with `grammar.draft_mask(drafted so far)`."""
+        ...
+
+
+class ArchivingProposer(Proposer, Protocol):
+    """A proposer that learns from finished sequences (`needs.archive`)."""
+
+    def archive(self, output: list[int]) -> None:
+        """Its sequence's output (the tokens emitted after the prompt), as it leaves the
+        engine: finished, stopped, dropped or failed."""
         ...
 
 

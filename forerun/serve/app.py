@@ -269,7 +269,11 @@ def resolve_spec(field: Speculation | None, default: SpecConfig, *, has_draft: b
     shadow = default.shadow if field.shadow is None else field.shadow
     return SpecConfig(method, k, policy, ngram_min, ngram_max, default.tree,
                       default.tree_topk, default.lookup and method in HEAD_KINDS,
-                      shadow and method != "none"), field.stream_stats
+                      shadow and method != "none",
+                      suffix_cache_tokens=default.suffix_cache_tokens,
+                      suffix_factor=default.suffix_factor,
+                      suffix_min_prob=default.suffix_min_prob,
+                      suffix_cache_dir=default.suffix_cache_dir), field.stream_stats
 
 
 class EventStream(StreamingResponse):

@@ -61,7 +61,7 @@ class Speculation(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: str | None = Field(None, description="none, draft or ngram")
+    method: str | None = Field(None, description="none, draft, ngram or suffix")
     k: int | None = Field(None, ge=0, le=MAX_K, description="draft tokens per verify step")
     policy: str | None = Field(None, description="fixed, adaptive or cost")
     ngram_min: int | None = Field(None, ge=1, le=MAX_K)
