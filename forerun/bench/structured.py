@@ -321,11 +321,11 @@ def plot(path: Path, cells: list[Cell], title: str) -> None:
     by = {(c.mode, c.label): c for c in cells}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / len(MODES)
-    for ax, what, name in ((axes[0], "speedup", "speedup vs plain of the same mode"),
-                           (axes[1], "accepted_per_pass", "tokens per verify pass")):
+    for ax, what, name in ((axes[0], lambda c: c.speedup, "speedup vs plain of the same mode"),
+                           (axes[1], lambda c: c.accepted_per_pass, "tokens per verify pass")):
         for j, mode in enumerate(MODES):
             xs = [i + (j - (len(MODES) - 1) / 2) * width for i in range(len(labels))]
-            vals = [getattr(by[mode, lb], what) if (mode, lb) in by else 0.0 for lb in labels]
+            vals = [what(by[mode, lb]) if (mode, lb) in by else 0.0 for lb in labels]
             bars = ax.bar(xs, vals, width, label=mode)
             ax.bar_label(bars, fmt="%.2f", fontsize=8)
             if what == "speedup":  # the decode speedup (after the first token) as a tick
