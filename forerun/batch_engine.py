@@ -373,9 +373,9 @@ def _pack(live: list[Sequence], drafts: list[Draft | None], chunks: list[int]
 def _verify_view(logits: torch.Tensor, spans: list[range]) -> tuple[torch.Tensor, list[range]]:
     """The rows [R_v, V] of the pass's wanted `logits` [R, V] that verifies read, and each
     member's span among them (rows wanted only for a prompt's logprobs left out)."""
-    rows = [r for span in spans for r in span]
-    if len(rows) == logits.shape[0]:
+    if sum(map(len, spans)) == logits.shape[0]:  # no echo-only rows: the usual pass
         return logits, spans
+    rows = [r for span in spans for r in span]
     out, start = [], 0
     for span in spans:
         out.append(range(start, start + len(span)))

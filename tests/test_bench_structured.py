@@ -8,8 +8,8 @@ reproduces plain decoding in both modes, and every schema output is valid JSON f
 import json
 
 import pytest
-import torch
-from tiny_files import byte_tokens, random_hf_weights, write_gguf
+from test_bench import pair  # noqa: F401  (fixture: a tiny target and a draft)
+from tiny_files import byte_tokens
 
 from forerun import cli
 from forerun.bench.processor_cost import CONFIGS, FAST
@@ -35,19 +35,6 @@ SMALL_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "max
                 "required": ["name", "n"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A target and a draft that agrees with it often (same byte-level tokenizer)."""
-    root = tmp_path_factory.mktemp("structured_models")
-    tokens = byte_tokens()
-    weights = random_hf_weights(len(tokens), seed=0)
-    g = torch.Generator().manual_seed(1)
-    noisy = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
-    write_gguf(root / "target.gguf", weights, tokens)
-    write_gguf(root / "draft.gguf", noisy, tokens)
-    return root / "target.gguf", root / "draft.gguf"
-
-
 @pytest.fixture
 def workload(tmp_path):
     path = tmp_path / "tasks.jsonl"
@@ -57,7 +44,7 @@ def workload(tmp_path):
     return path
 
 
-def test_pypi_workload_loads_and_every_schema_compiles(pair):
+def test_pypi_workload_loads_and_every_schema_compiles(pair):  # noqa: F811
     tasks = read_tasks()
     assert len(tasks) == 56 and len({t.id for t in tasks}) == 56
     assert tasks[0].id == "requests-2.32.3" and "Requires-Dist: idna" in tasks[0].messages[0][
@@ -108,7 +95,7 @@ def test_scoring():
                                                                                 "null"]})
 
 
-def test_structured_bench_end_to_end(pair, workload, tmp_path, capsys):
+def test_structured_bench_end_to_end(pair, workload, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "out"
     assert cli.main(["bench", "structured", "--target", str(pair[0]), "--draft", str(pair[1]),
                      "--workload", str(workload), "--max-tokens", "12", "--dtype", "float64",
@@ -138,7 +125,7 @@ def test_structured_bench_end_to_end(pair, workload, tmp_path, capsys):
     assert (out / "structured.png").stat().st_size > 1000
 
 
-def test_schema_outputs_are_valid_when_they_finish(pair, workload, tmp_path, capsys):
+def test_schema_outputs_are_valid_when_they_finish(pair, workload, tmp_path, capsys):  # noqa: F811
     """Under the schema every output that ends before max_tokens is valid JSON for it."""
     out = tmp_path / "long"
     assert cli.main(["bench", "structured", "--target", str(pair[0]), "--draft", str(pair[1]),
@@ -150,7 +137,7 @@ def test_schema_outputs_are_valid_when_they_finish(pair, workload, tmp_path, cap
     assert done and all(r["valid"] for r in done)
 
 
-def test_processors_bench(pair, workload, tmp_path, capsys):
+def test_processors_bench(pair, workload, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "proc"
     assert cli.main(["bench", "processors", "--target", str(pair[0]), "--workload",
                      str(workload), "--max-tokens", "10", "--dtype", "float64", "--repeats",
