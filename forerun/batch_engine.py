@@ -1,7 +1,8 @@
 """The batch step: every live sequence advances by one target pass shared with all the others.
 
 Owns: `Sequence`, the one record of a sequence's state (tokens, cache handle, drafter,
-length policy, generator, sampling, limits), and `step`, the phases of one pass over a batch:
+length policy, generator, sampling, limits), and `step`, the phases of one pass over a batch
+(phase 4 lives in `forerun.batch_verify`):
 
   1. propose   each decoding member drafts up to its k (its policy's choice, or the batch's;
                k = 0 is a plain decoding step); a new member's prompt is its prefill. A
@@ -19,7 +20,8 @@ length policy, generator, sampling, limits), and `step`, the phases of one pass 
                each with its own generator (seeded requests reproduce whatever they are
                batched with)
   5. commit    each member's cache keeps its accepted path; its drafter forgets the rest (a
-               shadow member keeps its first token alone: what was accepted is only counted)
+               shadow member keeps its first token alone: what was accepted is only counted);
+               a drafter that learns from the target's rows is shown their argmaxes
   6. adapt     each member's policy sees what was accepted
   7. emit      stop tokens, token budgets and context room, as the one-sequence loop (the
                grammar consumes what is emitted; logprobs from the raw rows where asked, and
@@ -41,19 +43,17 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from forerun.batch_policy import BatchCostPolicy
-from forerun.grammar import GrammarState, apply_masks
+from forerun.batch_verify import verify_all
+from forerun.grammar import GrammarState
 from forerun.logprobs import token_logprobs
 from forerun.metrics import Step, TokenLogprob
 from forerun.policy import LengthPolicy
-from forerun.processors import process_rows
 from forerun.propose.base import BatchDrafter, Draft, DraftRequest, Proposer
 from forerun.runtime.batch import BatchRuntime, PackedBatch, PoolFull
-from forerun.sampling import SamplingConfig, logits_to_probs_rows
+from forerun.sampling import SamplingConfig
 from forerun.stopping import check_prompt, cut
 from forerun.tree import TokenTree
-from forerun.verify import TreeVerdict, Verdict, greedy_accept
-from forerun.verify_batch import batch_rejection_sample
-from forerun.verify_spectr import TREE_VERIFIERS
+from forerun.verify import TreeVerdict, Verdict
 
 # Under a pass's token budget, prompt chunks get at least this share of it however many
 # decode rows there are: a queue of prompts keeps moving under a full batch
@@ -162,8 +162,8 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
         lengths.observe_pass(len(batch.tokens), time.perf_counter() - started)
     # 4. Verify every member on its own rows.
     logits, spans = _verify_view(output.logits, spans)  # [R_v, V]: without echo-only rows
-    verdicts = _verify_all([live[b] for b in members], [drafts[b] for b in members], trees,
-                           spans, logits)
+    verdicts, best = verify_all([live[b] for b in members], [drafts[b] for b in members],
+                                trees, spans, logits)
     now = time.perf_counter()
     out: list[Step | None] = [None] * len(live)
     for j, (b, tree, verdict) in enumerate(zip(members, trees, verdicts, strict=True)):
@@ -192,6 +192,8 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
         drafted = max(tree.depth, default=0)
         if s.proposer is not None:
             s.proposer.commit(len(s.tokens) - 1)
+            if s.proposer.needs.observe:  # the target's choice at each of its rows
+                s.proposer.observe(d, best[spans[j].start:spans[j].stop], verdict.path)
             if s.proposer.needs.hidden_layers:  # a chain's kept rows are a prefix: a view
                 at = (slice(rows.start, rows.start + len(kept)) if tree.is_chain
                       else torch.tensor(kept) + rows.start)  # [n] rows of the packed pass
@@ -232,87 +234,6 @@ def _chunks(live: list[Sequence], drafts: list[Draft | None], max_tokens: int | 
     return chunks
 
 
-def _verify_all(live: list[Sequence], drafts: list[Draft | None], trees: list[TokenTree | None],
-                spans: list[range], logits: torch.Tensor) -> list[Verdict | TreeVerdict | None]:
-    """Every member's verdict from its `spans` of the pass's wanted rows `logits` [R, V] (None
-    for a prompt chunk that is not the last: it wants no row). Greedy members read
-    one argmax over the batch (one host sync); sampled members' rows go to the host in one
-    copy, through one probability transform (each row under its member's sampling), and the
-    chains among them (a prefill or a plain step is a chain of no draft tokens) through one
-    batched rejection sampler, each drawing from its own generator; trees walk their own rows.
-    The transform runs on the host as each member's did alone: its bits are then the same in
-    any batch (a device's reductions round by the batch's shape). Penalties and logit bias come
-    first, each row under its own history (`_processed`)."""
-    logits = _processed(live, drafts, trees, spans, logits)  # [R, V]
-    best = logits.argmax(-1).tolist()  # [R]
-    verdicts: list[Verdict | TreeVerdict | None] = [None] * len(live)
-    sampled = []
-    for b, (s, d, tree) in enumerate(zip(live, drafts, trees, strict=True)):
-        if not spans[b]:
-            continue
-        if not s.sampling.greedy:
-            sampled.append(b)
-        elif d is None or s.proposer is None:  # the argmax, as plain decoding takes it
-            verdicts[b] = TreeVerdict([best[spans[b].start]], [])
-        else:
-            verdicts[b] = greedy_accept(tree, d.tokens, torch.tensor(best[spans[b].start:
-                                                                          spans[b].stop]))
-    if sampled:
-        rows = [r for b in sampled for r in spans[b]]
-        p = logits_to_probs_rows(logits[rows].cpu(), [live[b].sampling for b in sampled
-                                                      for _ in spans[b]])  # [R_s, V]
-        at, start = {}, 0
-        for b in sampled:  # member b's rows of p
-            at[b], start = slice(start, start + len(spans[b])), start + len(spans[b])
-        chains = [b for b in sampled if trees[b] is None or trees[b].is_chain]
-        if chains:  # (every sampled member may be a tree)
-            for b, v in zip(chains, batch_rejection_sample(
-                    [_draft_tokens(drafts[b]) for b in chains],
-                    torch.cat([p[at[b]] for b in chains]),
-                    [None if drafts[b] is None else drafts[b].q for b in chains],
-                    [live[b].generator for b in chains]), strict=True):
-                verdicts[b] = v
-        for b in (b for b in sampled if verdicts[b] is None):  # the trees
-            d = drafts[b]
-            verify_tree = TREE_VERIFIERS[live[b].proposer.needs.tree_verifier]
-            verdicts[b] = verify_tree(trees[b], d.tokens, p[at[b]], d.q, live[b].generator)
-    return verdicts
-
-
-def _processed(live: list[Sequence], drafts: list[Draft | None], trees: list[TokenTree | None],
-               spans: list[range], logits: torch.Tensor) -> torch.Tensor:
-    """The wanted rows' logits [R, V] through each member's `forerun.processors` options and
-    its grammar's mask (`forerun.grammar`), a verify's row under the committed tokens plus the
-    draft's path to it (as if the path had been generated), a prompt's last row under the
-    prompt."""
-    if not any(s.sampling.processing.active or s.grammar for s in live):
-        return logits
-    configs, histories, starts, allowed = [], [], [], []
-    for s, d, tree, span in zip(live, drafts, trees, spans, strict=True):
-        cfg = s.sampling.processing
-        if not cfg.active:
-            rows: list[list[int]] = [[]] * len(span)
-        elif d is None:
-            rows = [s.prompt] * len(span)  # a prompt's last row: its first token
-        else:
-            drafted = d.tokens.tolist()
-            rows = [s.tokens, *(s.tokens + [drafted[j] for j in tree.path(i)]
-                                for i in range(len(tree)))]
-        configs += [cfg] * len(span)
-        histories += rows
-        starts += [len(s.prompt)] * len(span)
-        if s.grammar is None or not span:
-            allowed.append(torch.ones(len(span), logits.shape[-1], dtype=torch.bool))
-        else:  # the grammar's mask at each row, the draft's path to it consumed
-            allowed.append(s.grammar.masks([] if d is None else d.tokens.tolist(),
-                                           [] if d is None else [tree.path(i) for i in
-                                                                 range(len(tree))]))
-    logits = process_rows(logits, configs, histories, starts)  # [R, V]
-    if not any(s.grammar for s in live):
-        return logits
-    return apply_masks(logits, torch.cat(allowed))
-
-
 def _grammar_cut(s: Sequence, d: Draft | None) -> Draft | None:
     """A draft without its grammar-invalid nodes (a chain: its longest valid prefix)."""
     if s.grammar is None or d is None or not len(d.tokens):
@@ -327,11 +248,6 @@ def _grammar_cut(s: Sequence, d: Draft | None) -> Draft | None:
     at = torch.tensor(kept, dtype=torch.long)
     return Draft(d.tokens[at], None if d.q is None else d.q[at],
                  torch.tensor([-1 if parents[i] < 0 else index[parents[i]] for i in kept]))
-
-
-def _draft_tokens(d: Draft | None) -> torch.Tensor:
-    """A chain's draft tokens [K] (none for a prefill)."""
-    return torch.empty(0, dtype=torch.long) if d is None else d.tokens
 
 
 def _pack(live: list[Sequence], drafts: list[Draft | None], chunks: list[int]

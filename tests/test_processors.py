@@ -36,7 +36,7 @@ from exact import (
     target_joint,
 )
 
-import forerun.batch_engine
+import forerun.batch_verify
 from forerun.batch_engine import Sequence, run_to_completion
 from forerun.engine import speculative_decode
 from forerun.policy import POLICIES, FixedK
@@ -302,6 +302,6 @@ def _stale_history(live, drafts, trees, spans, logits):
 
 
 def test_processing_rows_without_the_drafts_history_fails_the_same_test(monkeypatch):
-    monkeypatch.setattr(forerun.batch_engine, "_processed", _stale_history)
+    monkeypatch.setattr(forerun.batch_verify, "processed", _stale_history)
     counts, _ = _empirical("draft-k3")
     assert chi_square_pvalue(_exact("draft-k3"), counts) < ALPHA

@@ -22,6 +22,7 @@ from forerun.models.load import DEFAULT_CONTEXT, DTYPES, RUNTIMES
 from forerun.policy import POLICIES
 from forerun.processors import Processing
 from forerun.propose import PROPOSERS, SpecConfig, tree_budget
+from forerun.propose.lookahead import DEFAULT_GUESSES, DEFAULT_NGRAM, DEFAULT_WINDOW
 from forerun.propose.multi import DEFAULT_METHODS, parse_methods
 from forerun.propose.suffix import DEFAULT_CACHE_TOKENS, DEFAULT_FACTOR, DEFAULT_MIN_PROB
 from forerun.sampling import SamplingConfig
@@ -85,7 +86,10 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       suffix_cache_tokens=args.suffix_cache_tokens,
                       suffix_factor=args.suffix_factor, suffix_min_prob=args.suffix_min_prob,
                       suffix_cache_dir=args.suffix_cache_dir,
-                      multi_methods=parse_methods(args.multi), multi_verifier=args.multi_verifier)
+                      multi_methods=parse_methods(args.multi), multi_verifier=args.multi_verifier,
+                      lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
+                      lookahead_guesses=args.lookahead_guesses,
+                      lookahead_auto=not args.lookahead_fixed)
 
 
 def load_engine(args: argparse.Namespace, console: Console | None = None) -> Engine:
@@ -144,6 +148,20 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="--method multi: rrs = merged into a trie, recursive rejection "
                         "sampling; spectr = SpecTr's k-sequential selection over k i.i.d. "
                         "drafts kept apart (--multi draft,draft,...) (default: %(default)s)")
+    g.add_argument("--lookahead-window", type=int, default=DEFAULT_WINDOW, metavar="W",
+                   help="--method lookahead: the most guessed future positions of its Jacobi "
+                        "window (-k caps the rows a pass adds: give it 30 or more) "
+                        "(default: %(default)s)")
+    g.add_argument("--lookahead-ngram", type=int, default=DEFAULT_NGRAM, metavar="N",
+                   help="--method lookahead: the n-gram size, collected from the window and "
+                        "verified (N - 1 window levels) (default: %(default)s)")
+    g.add_argument("--lookahead-guesses", type=int, default=DEFAULT_GUESSES, metavar="G",
+                   help="--method lookahead: the most n-grams verified a pass "
+                        "(default: %(default)s)")
+    g.add_argument("--lookahead-fixed", action="store_true",
+                   help="--method lookahead: always the whole window (as -k allows); by "
+                        "default each pass takes the window with the most expected tokens/s "
+                        "under the target's verify-cost curve, none where rows are dear")
     g.add_argument("--suffix-cache-dir", default=None, metavar="DIR",
                    help="--method suffix: keep the index of earlier outputs in DIR between runs "
                         "(loaded at its first use, written when the process exits)")

@@ -16,6 +16,13 @@ from forerun.propose.base import Draft, Needs, Proposer, ProposerContext
 from forerun.propose.draft_model import DraftModelProposer
 from forerun.propose.eagle import EagleProposer, shared_eagle
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer, VerifyCurve
+from forerun.propose.lookahead import (
+    DEFAULT_GUESSES,
+    DEFAULT_NGRAM,
+    DEFAULT_WINDOW,
+    LookaheadConfig,
+    LookaheadProposer,
+)
 from forerun.propose.medusa import HydraProposer, MedusaProposer, shared_heads
 from forerun.propose.multi import DEFAULT_METHODS, MultiConfig, MultiProposer
 from forerun.propose.ngram import LookupBranch, NgramProposer
@@ -50,6 +57,10 @@ class SpecConfig:
     suffix_cache_dir: str | None = None  # suffix: where the global index is kept between runs
     multi_methods: tuple[str, ...] = DEFAULT_METHODS  # multi: the methods whose drafts join
     multi_verifier: str = "rrs"  # multi: rrs (a merged trie) or spectr (i.i.d. drafts apart)
+    lookahead_window: int = DEFAULT_WINDOW  # lookahead: W, the most guessed positions a level
+    lookahead_ngram: int = DEFAULT_NGRAM  # lookahead: N, the n-gram size (N - 1 levels)
+    lookahead_guesses: int = DEFAULT_GUESSES  # lookahead: G, the most n-grams verified a pass
+    lookahead_auto: bool = True  # lookahead: size the window per pass from the verify curve
 
     def __post_init__(self):
         if self.method != "none" and self.method not in PROPOSERS:
@@ -63,6 +74,10 @@ class SpecConfig:
             raise ValueError(f"lookup joins a head method's drafts ({', '.join(HEAD_PROPOSERS)}"
                              f"), not {self.method!r}; for lookup alone use --method ngram")
         self.suffix()  # checks the suffix method's options: a clear error for a bad one
+        self.lookahead()  # and lookahead's
+        if "lookahead" in self.multi().methods:
+            raise ValueError("multi: lookahead cannot join (its draft carries its Jacobi "
+                             "window, which a merged tree would break); use --method lookahead")
         unknown = [m for m in self.multi().methods if m not in PROPOSERS]
         if unknown:
             raise ValueError(f"multi: unknown methods {unknown}; choose from "
@@ -72,6 +87,11 @@ class SpecConfig:
         """The suffix method's own options."""
         return SuffixConfig(self.suffix_cache_tokens, self.suffix_factor, self.suffix_min_prob,
                             self.suffix_cache_dir)
+
+    def lookahead(self) -> LookaheadConfig:
+        """The lookahead method's own options."""
+        return LookaheadConfig(self.lookahead_window, self.lookahead_ngram,
+                               self.lookahead_guesses, self.lookahead_auto)
 
     def multi(self) -> MultiConfig:
         """The multi method's own options."""
@@ -106,6 +126,14 @@ def _ngram(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
 def _suffix(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     cfg = spec.suffix()
     return SuffixProposer(cfg, ctx.capacity or ctx.target.capacity, shared_index(ctx.shared, cfg))
+
+
+def _lookahead(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    """With `auto`, the target's verify-cost curve up to the most rows a pass adds (measured
+    at first use)."""
+    cfg = spec.lookahead()
+    curve = calibrated_curve(ctx.target, cfg.max_rows + 1) if cfg.auto else None
+    return LookaheadProposer(cfg, curve)
 
 
 def _multi(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
@@ -170,6 +198,7 @@ PROPOSERS: dict[str, ProposerFactory] = {
     "draft": _draft,
     "ngram": _ngram,
     "suffix": _suffix,
+    "lookahead": _lookahead,
     "multi": _multi,
     "medusa": _medusa,
     "hydra": _hydra,

@@ -55,13 +55,15 @@ class Needs:
     prompt_features: bool = False  # it reads the prompt's features after prefill; False where
     # a hidden row costs an LM-head row (llama.cpp): prefill is plain's, drafting starts later
     prompt_rows: int = 0  # ... of the prompt's last this many rows only (0 = every row)
-    extra_rows: int = 0  # rows it adds to each verify pass beyond its draft (Lookahead, Jacobi
-    # will); the engine keeps context room for them. 0 for every drafter so far
+    extra_rows: int = 0  # rows it adds to each verify pass beyond its draft; the engine keeps
+    # context room for them (a joined drafter's; Lookahead's rows are nodes of its draft)
     shared_store: bool = False  # keeps state in ProposerContext.stores (across its proposers)
     grammar: bool = False  # drafts under the sequence's grammar: handed its state through
     # `constrain` at admission (structured output), it masks its own q
     archive: bool = False  # is handed its sequence's output through `archive` when the
     # sequence leaves the engine (the suffix method's index of earlier outputs)
+    observe: bool = False  # is shown the target's argmax at every row of its verified draft
+    # through `observe` (Lookahead's Jacobi window learns from the rows it added)
     tree_verifier: str = "rrs"  # how its sampled trees are verified: a key of
     # forerun.verify_spectr.TREE_VERIFIERS ("spectr": siblings are i.i.d. draws from one q)
 
@@ -161,6 +163,17 @@ class ArchivingProposer(Proposer, Protocol):
     def archive(self, output: list[int]) -> None:
         """Its sequence's output (the tokens emitted after the prompt), as it leaves the
         engine: finished, stopped, dropped or failed."""
+        ...
+
+
+class ObservingProposer(Proposer, Protocol):
+    """A proposer that learns from the target's choices on its whole draft (`needs.observe`)."""
+
+    def observe(self, draft: Draft, best: list[int], path: list[int]) -> None:
+        """After a verify pass of `draft` (the Draft verified: the engine may have cut the one
+        it returned): the target's argmax at each of its rows, best[0] after the pending token
+        and best[i + 1] after node i (under the sequence's processors and grammar), and the
+        accepted nodes `path`."""
         ...
 
 
