@@ -19,7 +19,14 @@ import torch
 from conftest import tiny_model, tiny_runtime
 from exact import Recorder, TableModel, TableRuntime, chi_square_pvalue, target_joint
 from test_engine import plain
+from test_serve import (  # noqa: F401  (fixtures)
+    NAME,
+    client,
+    model_dirs,
+    server,
+)
 
+from forerun import Engine, LoadConfig
 from forerun.batch_engine import Sequence, run_to_completion
 from forerun.engine import speculative_decode
 from forerun.policy import FixedK
@@ -214,6 +221,36 @@ def test_lookahead_members_of_a_mixed_batch_equal_their_plain_output():
         assert [t for st in s.steps for t in st.tokens] == plain(prompt=s.prompt,
                                                                  max_new=s.max_new_tokens)
     assert sum(st.accepted for st in seqs[0].steps) > 0
+
+
+# --- through the server ------------------------------------------------------------------------
+
+def test_a_server_request_for_lookahead_is_plains_text(server, model_dirs):  # noqa: F811
+    """The real `openai` client, streamed and not: a lookahead request's text is plain's, and
+    its passes drafted (the server's batch verifies its trees beside other requests)."""
+    engine = Engine(str(model_dirs[0]), None, spec=SpecConfig("none"),
+                    load=LoadConfig(dtype="float64"))
+    prompt = "abcabcabcabc"
+    want = engine.generate(engine.tokenizer.encode_prompt(prompt, raw=True), max_tokens=24)
+    c = client(server)
+    speculation = {"method": "lookahead", "k": 16, "stream_stats": True}
+    out = c.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+                               extra_body={"speculation": speculation})
+    assert out.choices[0].text == want.text
+    assert out.choices[0].model_extra["speculation"]["drafted"] > 0
+    chunks = c.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                  stream=True, extra_body={"speculation": speculation})
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.text
+
+
+def test_a_server_request_for_lookahead_keeps_the_servers_lookahead_options():
+    from forerun.serve.app import resolve_spec
+    from forerun.serve.protocol import Speculation
+
+    flags = SpecConfig("ngram", 4, lookahead_window=3, lookahead_ngram=5, lookahead_guesses=2,
+                       lookahead_auto=False)
+    spec, _ = resolve_spec(Speculation(method="lookahead", k=16), flags, has_draft=False)
+    assert (spec.method, spec.k, spec.lookahead()) == ("lookahead", 16, flags.lookahead())
 
 
 # --- sampling: the target's exact joint --------------------------------------------------------

@@ -246,7 +246,7 @@ def resolve_spec(field: Speculation | None, default: SpecConfig, *, has_draft: b
     if method != "none" and method not in PROPOSERS:
         raise APIError(400, f"unknown speculation method {method!r}; choose none, "
                        f"{', '.join(PROPOSERS)}", param="speculation.method")
-    if method == "draft" and not has_draft:
+    if SpecConfig(method, multi_methods=default.multi_methods).uses_draft and not has_draft:
         raise APIError(400, "this server has no draft model loaded (start it with --method "
                        "draft); use method ngram or none", param="speculation.method")
     if method in HEAD_KINDS and method != heads:
@@ -273,7 +273,13 @@ def resolve_spec(field: Speculation | None, default: SpecConfig, *, has_draft: b
                       suffix_cache_tokens=default.suffix_cache_tokens,
                       suffix_factor=default.suffix_factor,
                       suffix_min_prob=default.suffix_min_prob,
-                      suffix_cache_dir=default.suffix_cache_dir), field.stream_stats
+                      suffix_cache_dir=default.suffix_cache_dir,
+                      multi_methods=default.multi_methods,
+                      multi_verifier=default.multi_verifier,
+                      lookahead_window=default.lookahead_window,
+                      lookahead_ngram=default.lookahead_ngram,
+                      lookahead_guesses=default.lookahead_guesses,
+                      lookahead_auto=default.lookahead_auto), field.stream_stats
 
 
 class EventStream(StreamingResponse):
