@@ -7,6 +7,15 @@ another process) hit all of them alike and every figure is a ratio measured side
 run on the same prompt ids right after. With `repeats` > 1 that round runs that many times (each
 in its own shuffled order) and each cell keeps its run of median wall time: on a noisy machine a
 single run of a few seconds moves by ±10%. Aggregation and printing live in `report.py`.
+
+The `suffix` method drafts from a global index of earlier requests' outputs, which the engine
+keeps across requests, so what it holds is part of the measurement and the bench sets it for
+every suffix run (`suffix_index`, a cell per state): `cold`, no global index (only the
+request's own prompt and output); `warm`, the outputs of the prompts run before this one
+(plain decoding's, in the run order; the first prompt's warm run is a cold one). Never the
+prompt's own output: each run starts from a fresh copy, so neither another repeat nor another
+cell of the same prompt (nor the warm-up) is drafted from. A conversation's later turns come
+after its earlier ones (`workloads`), so warm holds them and the other conversations before.
 """
 
 from __future__ import annotations
@@ -21,13 +30,17 @@ from forerun.bench.peers import Peer, Trace
 from forerun.bench.workloads import Prompt
 from forerun.heads import KINDS as HEAD_KINDS
 from forerun.metrics import GenerationStats
+from forerun.models.tokenizer import TextTokenizer
 from forerun.policy import POLICIES
 from forerun.propose import AUTO_TREE, SpecConfig
+from forerun.propose.suffix import STORE as SUFFIX_STORE
+from forerun.propose.suffix_index import TokenIndex
 from forerun.reference import divergence
 from forerun.sampling import SamplingConfig
 
 BASELINE = "forerun plain"
 WARMUP_TOKENS = 4  # one short untimed run per cell first: one-off costs stay out of the figures
+INDEX_STATES = ("cold", "warm")  # what the suffix method's global index holds as a run starts
 
 
 @dataclass(frozen=True)
@@ -42,27 +55,35 @@ class BenchConfig:
     tree_topk: int = 4
     lookup: bool = False  # head methods: with the prompt-lookup branch
     repeats: int = 1  # rounds per prompt; each cell keeps its median-wall run
+    suffix_index: tuple[str, ...] = ("warm",)  # suffix: a cell per state of the global index
 
     def __post_init__(self):
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        bad = [s for s in self.suffix_index if s not in INDEX_STATES]
+        if bad or not self.suffix_index:
+            raise ValueError(f"suffix index states must be among {INDEX_STATES}, got "
+                             f"{list(self.suffix_index)}")
 
     def cells(self) -> list[tuple[str, SpecConfig]]:
         """(label, spec) for the baseline and every method x k x policy."""
         unknown = set(self.policies) - set(POLICIES)
         if unknown:
             raise ValueError(f"unknown policy {sorted(unknown)}; choose from {list(POLICIES)}")
-        def spec(m: str, k: int, p: str) -> tuple[str, SpecConfig]:
+        def spec(m: str, k: int, p: str, index: str = "") -> tuple[str, SpecConfig]:
             head = m in HEAD_KINDS
             tree = self.tree if head else 0
             shown = "auto" if tree == AUTO_TREE else tree
             label = f"{m}{'+lookup' if head and self.lookup else ''} k={k}" + (
-                f" tree={shown}" if tree else "") + ("" if p == "fixed" else f" {p}")
+                f" tree={shown}" if tree else "") + ("" if p == "fixed" else f" {p}") + (
+                f" {index}" if index else "")
+            cold = {"suffix_cache_tokens": 0} if index == "cold" else {}
             return label, SpecConfig(m, k, p, tree=tree, tree_topk=self.tree_topk,
-                                     lookup=head and self.lookup)
+                                     lookup=head and self.lookup, **cold)
 
         return [(BASELINE, SpecConfig("none"))] + [
-            spec(m, k, p) for m in self.methods for k in self.ks for p in self.policies]
+            spec(m, k, p, index) for m in self.methods for k in self.ks for p in self.policies
+            for index in (self.suffix_index if m == "suffix" else ("",))]
 
 
 @dataclass
@@ -114,9 +135,10 @@ def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig,
               ) -> list[Run]:
     """All runs, in the order they ran; `on_run` sees each one (progress bars)."""
     peers, cells, runs = list(peers), cfg.cells(), []
+    earlier: list[list[int]] = []  # plain's output of each prompt run so far: a warm index
     _warmup(engine, prompts, cells, peers)
     for i, prompt in enumerate(prompts):
-        ids = engine.tokenizer.encode_prompt(prompt.text)  # chat template when the model has one
+        ids, plain = encode(engine.tokenizer, prompt), {}
         for temperature in cfg.temperatures:
             sampling = SamplingConfig(temperature=temperature, seed=cfg.seed + i)
             tries: dict[str, list[Run]] = {}
@@ -125,6 +147,7 @@ def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig,
                 key = f"{cfg.seed}:{prompt.id}:{temperature}" + (f":{r}" if r else "")
                 random.Random(key).shuffle(order)
                 for label, spec in order:
+                    start_index(engine, spec, earlier)
                     trace, stats = run_forerun(engine, ids, spec, sampling, cfg.max_tokens)
                     run = trace_to_run(trace, prompt, label, BASELINE, temperature, len(ids))
                     run.verify_steps = max(0, stats.target_forward_passes - 1)
@@ -149,7 +172,33 @@ def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig,
                 runs.append(run)
                 if on_run is not None:
                     on_run(run)
+            plain[temperature] = done[BASELINE].token_ids
+        earlier.append(plain[cfg.temperatures[0]])  # after all its runs: none drafts from it
     return runs
+
+
+def encode(tokenizer: TextTokenizer, prompt: Prompt) -> list[int]:
+    """A lone user turn as `encode_prompt` sends it (through the chat template when the model
+    has one); a conversation, every message through the template (a model without one, the
+    tiny test models', reads the turns as `role: content` lines)."""
+    if len(prompt.messages) == 1:
+        return tokenizer.encode_prompt(prompt.text)
+    if tokenizer.chat_template is None:
+        return tokenizer.encode("".join(f"{m['role']}: {m['content']}\n"
+                                        for m in prompt.messages) + "assistant: ")
+    return tokenizer.encode_chat(list(prompt.messages))
+
+
+def start_index(engine: Engine, spec: SpecConfig, earlier: list[list[int]]) -> None:
+    """A warm suffix run starts from a global index of `earlier` outputs only, made anew (a
+    cold one has none: suffix_cache_tokens 0). Built outside the timed run; it replaces the
+    engine's shared index, which the run then adds its own output to."""
+    if spec.method != "suffix" or not spec.suffix_cache_tokens:
+        return
+    index = TokenIndex(spec.suffix_cache_tokens)
+    for output in earlier:
+        index.add_document(output)
+    engine.proposers.shared[SUFFIX_STORE] = index
 
 
 def median_run(runs: list[Run]) -> Run:
@@ -161,7 +210,7 @@ def _warmup(engine: Engine, prompts: list[Prompt], cells, peers: list[Peer]) -> 
     if not prompts:
         return
     engine.warm_up()  # every static size (CUDA graphs), not only those the warm-up run meets
-    ids = engine.tokenizer.encode_prompt(prompts[0].text)
+    ids = encode(engine.tokenizer, prompts[0])
     for _, spec in cells:
         engine.generate(ids, max_tokens=WARMUP_TOKENS, spec=spec)
     for peer in peers:

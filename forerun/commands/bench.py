@@ -27,7 +27,7 @@ from tqdm import tqdm
 from forerun.api import DEFAULT_KV_BUDGET_BYTES, Engine, LoadConfig, head_precision, heads_device
 from forerun.bench import processor_cost, report, serve_bench, structured, throughput
 from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
-from forerun.bench.runner import BenchConfig, run_bench, runs_per_prompt
+from forerun.bench.runner import INDEX_STATES, BenchConfig, encode, run_bench, runs_per_prompt
 from forerun.bench.serve_bench import add_serve_args
 from forerun.bench.workloads import BUILTIN, Prompt, sample_workloads
 from forerun.commands.options import add_model_args, load_config
@@ -40,6 +40,7 @@ CURVE_CONTEXT = 200
 DEFAULT_OUT = "out/bench"
 TABLE_WIDTH = 160  # when stdout is not a terminal (files, CI logs)
 STRUCTURED = ("structured", "processors")  # a schema's speedup, processors' cost
+DEFAULT_WORKLOADS = ["spec_bench", "editeval"]  # `agentic` is asked for by name
 
 
 def add_parser(sub) -> None:
@@ -91,6 +92,13 @@ def add_parser(sub) -> None:
     b.add_argument("--repeats", type=int, default=1,
                    help="run every prompt's round of methods this many times (each in its own "
                         "order) and keep each method's median-wall run: for noisy machines")
+    b.add_argument("--suffix-index", default="warm", metavar="STATES",
+                   help=f"method suffix: what its global index of earlier outputs holds as "
+                        f"each run starts, a cell for each of the comma-separated "
+                        f"{', '.join(INDEX_STATES)}: cold = nothing (the request's own prompt "
+                        "and output only); warm = plain decoding's outputs of the prompts run "
+                        "before it (a conversation's earlier turns, earlier conversations), "
+                        "never its own")
     b.add_argument("--peers", nargs="?", const=",".join(PEER_NAMES), default="",
                    help=f"also run peers on the same prompts ({','.join(PEER_NAMES)}); "
                         "--peers alone = all")
@@ -131,7 +139,8 @@ def run(args) -> int:
     cfg = BenchConfig(methods=_csv(args.methods), ks=_csv(args.ks, int),
                       temperatures=_csv(args.temperatures, float), policies=_csv(args.policies),
                       max_tokens=args.max_tokens, seed=args.seed, tree=args.tree,
-                      tree_topk=args.tree_topk, lookup=args.lookup, repeats=args.repeats)
+                      tree_topk=args.tree_topk, lookup=args.lookup, repeats=args.repeats,
+                      suffix_index=_csv(args.suffix_index))
     cfg.cells()  # validates method names and k before anything loads
     load = load_config(args)
     if args.mode == "structured":
@@ -151,7 +160,7 @@ def run(args) -> int:
     if args.mode == "throughput":
         return _throughput(engine, args, out, meta, console)
 
-    prompts = _fitting(engine, sample_workloads(args.workload or list(BUILTIN),
+    prompts = _fitting(engine, sample_workloads(args.workload or DEFAULT_WORKLOADS,
                                                 args.limit or None, args.seed), cfg)
     peers = _peers(args, engine)
     total = len(prompts) * runs_per_prompt(cfg, peers)
@@ -270,7 +279,7 @@ def _fitting(engine: Engine, prompts: list[Prompt], cfg: BenchConfig) -> list[Pr
     """Drop (with a note) prompts that leave no room for max_tokens in the context."""
     keep = []
     for p in prompts:
-        n = len(engine.tokenizer.encode_prompt(p.text))
+        n = len(encode(engine.tokenizer, p))
         if n + cfg.max_tokens <= engine.target.capacity:
             keep.append(p)
         else:
