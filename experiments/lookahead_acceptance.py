@@ -20,9 +20,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from forerun import Engine
+from forerun import Engine, LoadConfig
 from forerun.bench.workloads import sample_workloads
-from forerun.models.load import LoadConfig
 from forerun.propose import SpecConfig
 
 
