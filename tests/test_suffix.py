@@ -5,7 +5,8 @@ tokens (eviction keeps it at its configured size, its memory fixed); the tree's 
 are continuation frequencies, parents first, within budget and floor; greedy speculative output
 equals plain greedy output token for token (alone, chains and trees; in a mixed batch; through
 an Engine whose global index holds earlier outputs); a request that repeats an earlier one's
-output drafts it from the global index and has it accepted; sampled output has the target's
+output drafts it from the global index and has it accepted (also after concurrent requests
+through the server, each still plain's); sampled output has the target's
 exact joint (chi-square) with drafts that really are trees, while the global index learns from
 every earlier run; bad options fail clearly.
 """
@@ -21,6 +22,13 @@ import torch
 from conftest import tiny_model, tiny_runtime
 from exact import Recorder, TableModel, TableRuntime, chi_square_pvalue, target_joint
 from test_engine import plain, word_tokenizer
+from test_serve import (  # noqa: F401  (fixtures)
+    NAME,
+    client,
+    model_dirs,
+    reference,
+    server,
+)
 
 from forerun import Engine
 from forerun.batch_engine import Sequence, run_to_completion
@@ -280,10 +288,35 @@ def test_a_server_request_for_suffix_keeps_the_servers_suffix_options():
     from forerun.serve.app import resolve_spec
     from forerun.serve.protocol import Speculation
 
-    server = SpecConfig("ngram", 4, suffix_cache_tokens=5000, suffix_factor=2.0,
-                        suffix_min_prob=0.2, suffix_cache_dir="/tmp/x")
-    spec, _ = resolve_spec(Speculation(method="suffix", k=16), server, has_draft=False)
-    assert (spec.method, spec.k, spec.suffix()) == ("suffix", 16, server.suffix())
+    flags = SpecConfig("ngram", 4, suffix_cache_tokens=5000, suffix_factor=2.0,
+                       suffix_min_prob=0.2, suffix_cache_dir="/tmp/x")
+    spec, _ = resolve_spec(Speculation(method="suffix", k=16), flags, has_draft=False)
+    assert (spec.method, spec.k, spec.suffix()) == ("suffix", 16, flags.suffix())
+
+
+def test_the_servers_global_index_is_safe_under_concurrent_requests(server, reference):  # noqa: F811
+    """Twelve suffix requests at once from threads (the real `openai` client), the same
+    prompts twice over: every text is plain's (whatever the index held as each step drafted,
+    which the concurrent ones fill as they finish), and a request after them drafts from
+    their outputs, nearly all of it accepted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = ["the cat sat on", "abcabcabc", "1, 2, 3, 4,", "def f(x):", "xyz xyz", "hello"] * 2
+    speculation = {"method": "suffix", "k": 16}
+    c = client(server)
+
+    def ask(prompt: str):
+        return c.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                    extra_body={"speculation": speculation})
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(ask, prompts))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.choices[0].text == reference(prompt, 24).text
+    again = ask("the cat sat on")  # its earlier output is in the index now
+    stats = again.choices[0].model_extra["speculation"]
+    assert again.choices[0].text == reference("the cat sat on", 24).text
+    assert stats["accepted"] >= stats["new_tokens"] - 8, stats
 
 
 @pytest.mark.parametrize(("options", "message"), [
