@@ -23,6 +23,9 @@ from forerun.policy import POLICIES
 from forerun.processors import Processing
 from forerun.propose import PROPOSERS, SpecConfig, tree_budget
 from forerun.propose.lookahead import DEFAULT_GUESSES, DEFAULT_NGRAM, DEFAULT_WINDOW
+from forerun.propose.magicdec import DEFAULT_SINKS as MAGICDEC_SINKS
+from forerun.propose.magicdec import DEFAULT_WINDOW as MAGICDEC_WINDOW
+from forerun.propose.magicdec import DRAFTERS as MAGICDEC_DRAFTERS
 from forerun.propose.multi import DEFAULT_METHODS, parse_methods
 from forerun.propose.suffix import DEFAULT_CACHE_TOKENS, DEFAULT_FACTOR, DEFAULT_MIN_PROB
 from forerun.sampling import SamplingConfig
@@ -89,7 +92,9 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       multi_methods=parse_methods(args.multi), multi_verifier=args.multi_verifier,
                       lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
                       lookahead_guesses=args.lookahead_guesses,
-                      lookahead_auto=not args.lookahead_fixed)
+                      lookahead_auto=not args.lookahead_fixed,
+                      magicdec_sinks=args.magicdec_sinks, magicdec_window=args.magicdec_window,
+                      magicdec_drafter=args.magicdec_drafter)
 
 
 def load_engine(args: argparse.Namespace, console: Console | None = None) -> Engine:
@@ -162,6 +167,17 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="--method lookahead: always the whole window (as -k allows); by "
                         "default each pass takes the window with the most expected tokens/s "
                         "under the target's verify-cost curve, none where rows are dear")
+    g.add_argument("--magicdec-sinks", type=int, default=MAGICDEC_SINKS, metavar="N",
+                   help="--method magicdec: the first N tokens (attention sinks) every draft "
+                        "query attends to (default: %(default)s)")
+    g.add_argument("--magicdec-window", type=int, default=MAGICDEC_WINDOW, metavar="W",
+                   help="--method magicdec: and the W most recent tokens; the drafter's KV "
+                        "cache holds only these, so its cost does not grow with the context "
+                        "(default: %(default)s)")
+    g.add_argument("--magicdec-drafter", default="draft", choices=list(MAGICDEC_DRAFTERS),
+                   help="--method magicdec: draft = the draft model (--draft), self = the "
+                        "target's own weights, each over a sparse cache of its own "
+                        "(default: %(default)s)")
     g.add_argument("--suffix-cache-dir", default=None, metavar="DIR",
                    help="--method suffix: keep the index of earlier outputs in DIR between runs "
                         "(loaded at its first use, written when the process exits)")

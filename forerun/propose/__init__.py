@@ -23,6 +23,12 @@ from forerun.propose.lookahead import (
     LookaheadConfig,
     LookaheadProposer,
 )
+from forerun.propose.magicdec import (
+    DEFAULT_SINKS,
+    MagicDecConfig,
+    magicdec_proposer,
+)
+from forerun.propose.magicdec import DEFAULT_WINDOW as MAGICDEC_WINDOW
 from forerun.propose.medusa import HydraProposer, MedusaProposer, shared_heads
 from forerun.propose.multi import DEFAULT_METHODS, MultiConfig, MultiProposer
 from forerun.propose.ngram import LookupBranch, NgramProposer
@@ -61,6 +67,9 @@ class SpecConfig:
     lookahead_ngram: int = DEFAULT_NGRAM  # lookahead: N, the n-gram size (N - 1 levels)
     lookahead_guesses: int = DEFAULT_GUESSES  # lookahead: G, the most n-grams verified a pass
     lookahead_auto: bool = True  # lookahead: size the window per pass from the verify curve
+    magicdec_sinks: int = DEFAULT_SINKS  # magicdec: first tokens every draft query attends to
+    magicdec_window: int = MAGICDEC_WINDOW  # magicdec: and the most recent ones
+    magicdec_drafter: str = "draft"  # magicdec: "draft" (the draft model) or "self" (the target)
 
     def __post_init__(self):
         if self.method != "none" and self.method not in PROPOSERS:
@@ -75,6 +84,7 @@ class SpecConfig:
                              f"), not {self.method!r}; for lookup alone use --method ngram")
         self.suffix()  # checks the suffix method's options: a clear error for a bad one
         self.lookahead()  # and lookahead's
+        self.magicdec()  # and magicdec's
         if "lookahead" in self.multi().methods:
             raise ValueError("multi: lookahead cannot join (its draft carries its Jacobi "
                              "window, which a merged tree would break); use --method lookahead")
@@ -93,15 +103,21 @@ class SpecConfig:
         return LookaheadConfig(self.lookahead_window, self.lookahead_ngram,
                                self.lookahead_guesses, self.lookahead_auto)
 
+    def magicdec(self) -> MagicDecConfig:
+        """The magicdec method's own options."""
+        return MagicDecConfig(self.magicdec_sinks, self.magicdec_window, self.magicdec_drafter)
+
     def multi(self) -> MultiConfig:
         """The multi method's own options."""
         return MultiConfig(tuple(self.multi_methods), self.multi_verifier)
 
     @property
     def uses_draft(self) -> bool:
-        """Whether it drafts with the draft model (method draft, or multi with draft)."""
+        """Whether it drafts with the draft model (method draft, multi with draft, magicdec
+        with the draft model as its drafter)."""
         return self.method == "draft" or (self.method == "multi" and
-                                          "draft" in self.multi_methods)
+                                          "draft" in self.multi_methods) or (
+            self.method == "magicdec" and self.magicdec_drafter == "draft")
 
 
 def tree_budget(text: str) -> int:
@@ -134,6 +150,10 @@ def _lookahead(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     cfg = spec.lookahead()
     curve = calibrated_curve(ctx.target, cfg.max_rows + 1) if cfg.auto else None
     return LookaheadProposer(cfg, curve)
+
+
+def _magicdec(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    return magicdec_proposer(spec.magicdec(), ctx)
 
 
 def _multi(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
@@ -199,6 +219,7 @@ PROPOSERS: dict[str, ProposerFactory] = {
     "ngram": _ngram,
     "suffix": _suffix,
     "lookahead": _lookahead,
+    "magicdec": _magicdec,
     "multi": _multi,
     "medusa": _medusa,
     "hydra": _hydra,
