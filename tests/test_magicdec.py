@@ -7,7 +7,8 @@ joint (chi-square, exact enumeration); every draft query attends to the sinks an
 and nothing else, and the cache holds a fixed number of positions; a draft step attends to the
 same number of positions at any context (counted, not timed); with a window as long as the
 context it drafts what the full-cache draft model drafts, token for token and q to the bit;
-`forerun check` passes it; a llama.cpp drafter and bad options fail clearly.
+`forerun check` passes it; the self drafter runs in a batch; a llama.cpp drafter and bad
+options fail clearly.
 
 Statistical checks: 2 (the exact joint, one per drafter) + 1 (forerun check's sampling test)
 at ALPHA = 1e-4 each: the file fails by chance with probability below 3e-4 (seeds pinned).
@@ -230,3 +231,13 @@ def test_the_view_never_touches_the_targets_cache():
     proposer.propose(LONG_PROMPT, 4, SamplingConfig(), make_generator(0))
     assert target.length == 20 and torch.equal(target.k_cache, k_before)
 
+
+
+def test_the_self_drafter_runs_in_a_batch_each_member_its_own_view():
+    spec = SpecConfig("magicdec", 3, magicdec_sinks=SINKS, magicdec_window=WINDOW,
+                      magicdec_drafter="self")
+    engine = Engine.from_runtimes(tiny_runtime(0), word_tokenizer(), None, spec)
+    prompts = [LONG_PROMPT, LONG_PROMPT[:40]]
+    outs = engine.generate_batch(prompts, max_tokens=20)
+    assert [o.token_ids for o in outs] == [plain(prompt=p, max_new=20) for p in prompts]
+    assert all(o.stats.drafted > 0 for o in outs)

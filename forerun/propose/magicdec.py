@@ -12,7 +12,9 @@ Owns: its config and the choice of drafter. Drafting itself is the draft-model m
 truncation) over the streaming view instead of a full cache.
 
 The torch runtime only: the view runs the torch model's own layers over its own cache. A
-llama.cpp model (whose KV cache the view cannot shape) fails with a clear error.
+llama.cpp model (whose KV cache the view cannot shape) fails with a clear error. In a batch
+each member drafts alone over its own view (`self`); the draft model, which a batch shares
+(`SHARED_DRAFT`), drafts one sequence at a time here and fails clearly in a batch.
 """
 
 from __future__ import annotations
