@@ -6,6 +6,6 @@ the library and `forerun.commands.options`, never `forerun.cli` or another comma
 
 from __future__ import annotations
 
-from forerun.commands import bench, chat, check, generate, models, profile, serve, train
+from forerun.commands import bench, chat, check, generate, models, profile, serve, train, tune
 
-COMMANDS = (generate, chat, check, models, bench, profile, serve, train)
+COMMANDS = (generate, chat, check, models, bench, profile, serve, train, tune)

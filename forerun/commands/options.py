@@ -22,6 +22,7 @@ from forerun.models.load import DEFAULT_CONTEXT, DTYPES, RUNTIMES
 from forerun.policy import POLICIES
 from forerun.processors import Processing
 from forerun.propose import PROPOSERS, SpecConfig, tree_budget
+from forerun.propose.layer_skip import parse_layers
 from forerun.propose.lookahead import DEFAULT_GUESSES, DEFAULT_NGRAM, DEFAULT_WINDOW
 from forerun.propose.magicdec import DEFAULT_SINKS as MAGICDEC_SINKS
 from forerun.propose.magicdec import DEFAULT_WINDOW as MAGICDEC_WINDOW
@@ -93,6 +94,7 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
                       lookahead_guesses=args.lookahead_guesses,
                       lookahead_auto=not args.lookahead_fixed,
+                      skip_layers=args.skip_layers,
                       magicdec_sinks=args.magicdec_sinks, magicdec_window=args.magicdec_window,
                       magicdec_drafter=args.magicdec_drafter)
 
@@ -178,6 +180,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="--method magicdec: draft = the draft model (--draft), self = the "
                         "target's own weights, each over a sparse cache of its own "
                         "(default: %(default)s)")
+    g.add_argument("--skip-layers", type=parse_layers, default=None, metavar="LAYERS|FILE",
+                   help="--method layer-skip: the target's layers its self-draft leaves out, "
+                        "as 3,5,7-12 or a JSON file of `forerun tune layer-skip` (default: the "
+                        "set tuned for the target, else every other layer of the middle half)")
     g.add_argument("--suffix-cache-dir", default=None, metavar="DIR",
                    help="--method suffix: keep the index of earlier outputs in DIR between runs "
                         "(loaded at its first use, written when the process exits)")

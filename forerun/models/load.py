@@ -90,7 +90,7 @@ def _load_torch(src: ModelSource, dtype: str, device: str, context: int) -> Torc
         model = Transformer(src.config)
     model = model.to_empty(device=device).to(torch_dtype)
     model.load_canonical({k: v.to(device) for k, v in weights.items()})
-    return TorchRuntime(model.eval(), capacity=context)
+    return TorchRuntime(model.eval(), capacity=context, source=src.path)
 
 
 def _load_llama_cpp(src: ModelSource, dtype: str, device: str, context: int) -> Runtime:

@@ -16,6 +16,7 @@ from forerun.propose.base import Draft, Needs, Proposer, ProposerContext
 from forerun.propose.draft_model import DraftModelProposer
 from forerun.propose.eagle import EagleProposer, shared_eagle
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer, VerifyCurve
+from forerun.propose.layer_skip import LayerSkipConfig, layer_skip_proposer
 from forerun.propose.lookahead import (
     DEFAULT_GUESSES,
     DEFAULT_NGRAM,
@@ -67,6 +68,8 @@ class SpecConfig:
     lookahead_ngram: int = DEFAULT_NGRAM  # lookahead: N, the n-gram size (N - 1 levels)
     lookahead_guesses: int = DEFAULT_GUESSES  # lookahead: G, the most n-grams verified a pass
     lookahead_auto: bool = True  # lookahead: size the window per pass from the verify curve
+    skip_layers: tuple[int, ...] | None = None  # layer-skip: the layers its draft leaves out
+    # (None = the set `forerun tune layer-skip` saved for the target, else a default)
     magicdec_sinks: int = DEFAULT_SINKS  # magicdec: first tokens every draft query attends to
     magicdec_window: int = MAGICDEC_WINDOW  # magicdec: and the most recent ones
     magicdec_drafter: str = "draft"  # magicdec: "draft" (the draft model) or "self" (the target)
@@ -84,6 +87,7 @@ class SpecConfig:
                              f"), not {self.method!r}; for lookup alone use --method ngram")
         self.suffix()  # checks the suffix method's options: a clear error for a bad one
         self.lookahead()  # and lookahead's
+        self.layer_skip()  # and layer-skip's
         self.magicdec()  # and magicdec's
         if "lookahead" in self.multi().methods:
             raise ValueError("multi: lookahead cannot join (its draft carries its Jacobi "
@@ -106,6 +110,10 @@ class SpecConfig:
     def magicdec(self) -> MagicDecConfig:
         """The magicdec method's own options."""
         return MagicDecConfig(self.magicdec_sinks, self.magicdec_window, self.magicdec_drafter)
+
+    def layer_skip(self) -> LayerSkipConfig:
+        """The layer-skip method's own options."""
+        return LayerSkipConfig(self.skip_layers)
 
     def multi(self) -> MultiConfig:
         """The multi method's own options."""
@@ -154,6 +162,10 @@ def _lookahead(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
 
 def _magicdec(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     return magicdec_proposer(spec.magicdec(), ctx)
+
+
+def _layer_skip(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    return layer_skip_proposer(spec.layer_skip(), ctx.target, ctx.capacity, ctx.stores)
 
 
 def _multi(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
@@ -219,6 +231,7 @@ PROPOSERS: dict[str, ProposerFactory] = {
     "ngram": _ngram,
     "suffix": _suffix,
     "lookahead": _lookahead,
+    "layer-skip": _layer_skip,
     "magicdec": _magicdec,
     "multi": _multi,
     "medusa": _medusa,

@@ -72,6 +72,8 @@ class Capabilities:
     # (prefix caching)
     kv_grow: bool = False  # batched runtimes: grow raises a member's reservation as it decodes
     # (regions that start at the prompt; preemption when memory runs out)
+    skip_layers: bool = False  # without_layers(skip, capacity) builds a draft of this model
+    # with some layers left out, over the same weights (layer-skip self-speculation)
 
     def exposes(self, layers: Collection[int]) -> bool:
         """Whether a forward can return the hidden states of these layers (-1 = final)."""

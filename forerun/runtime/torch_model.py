@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Collection
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -222,6 +225,17 @@ class Transformer(nn.Module):
     def lm_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
+    def without_layers(self, skip: Collection[int]) -> Transformer:
+        """This model with the layers `skip` left out: the same modules and parameters
+        (shared, never copied), the kept layers in their order."""
+        twin = Transformer.__new__(Transformer)
+        nn.Module.__init__(twin)
+        kept = [layer for i, layer in enumerate(self.layers) if i not in skip]
+        twin.cfg = replace(self.cfg, n_layers=len(kept))
+        twin.embed, twin.norm, twin.lm_head = self.embed, self.norm, self.lm_head
+        twin.layers = nn.ModuleList(kept)
+        return twin
+
     @torch.no_grad()
     def load_canonical(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy canonical (unfused) weights in, fusing q/k/v and gate/up."""
@@ -247,7 +261,7 @@ class TorchRuntime:
 
     def __init__(self, model: Transformer, capacity: int, prepack: bool | None = None,
                  static: bool | None = None, spans: bool = False,
-                 invariant: bool = False):
+                 invariant: bool = False, source: Path | None = None):
         """`prepack`: reorder the weights for oneDNN (default: where it applies, CPU float32 and
         bfloat16); the model is changed in place. `static`: run decode-sized passes in static
         shapes (forerun.runtime.static), replayed as CUDA graphs on a GPU (default: on a GPU
@@ -257,9 +271,10 @@ class TorchRuntime:
         kernels (MIN_MATMUL_ROWS, MIN_ATTENTION_ROWS), so a token's logits do not depend on
         how many rows share its pass, op by op (off by default: on the real default target it
         did not make bfloat16 speculation equal plain decoding; docs/runtimes.md); set on the
-        model, so its forks and batched views share it."""
+        model, so its forks and batched views share it. `source`: the weights' file (what
+        settings tuned for them are keyed by: layer-skip's set), None for a model built here."""
         cfg = model.cfg
-        self.config, self.model = cfg, model
+        self.config, self.model, self.source = cfg, model, source
         param = model.embed.weight
         self.dtype, self.device = param.dtype, param.device
         self.prepacked = can_prepack(self.dtype, self.device) if prepack is None else prepack
@@ -286,7 +301,7 @@ class TorchRuntime:
         graphs = self._static_on and self.device.type == "cuda"
         self.capabilities = Capabilities(hidden_layers=True, final_hidden=True,
                                          reduced_vocab=True, static_passes=self._static_on,
-                                         cuda_graphs=graphs)
+                                         cuda_graphs=graphs, skip_layers=True)
         self.curve = None  # forerun.profile's calibration, at its first use
 
     def set_invariant(self, on: bool) -> None:
@@ -357,6 +372,31 @@ class TorchRuntime:
         twin._length = 0
         twin._static = twin._new_static()  # graphs write this cache: the twin records its own
         twin.curve = None  # its own, measured at its first use
+        return twin
+
+    def without_layers(self, skip: Collection[int], capacity: int | None = None
+                       ) -> TorchRuntime:
+        """A draft of this model with the layers `skip` left out (layer-skip
+        self-speculation): the same weights, prepacked ones and the LM head included (shared,
+        never copied), and an empty cache of its own over the kept layers (`capacity` slots,
+        at most this one's): skipping a layer changes every later layer's input, so the
+        target's K/V past it are not the draft's."""
+        n = self.config.n_layers
+        skip = set(skip)
+        if not skip <= set(range(n)) or len(skip) >= n:
+            raise ValueError(f"layers to skip must lie in 0..{n - 1} and leave one, got "
+                             f"{sorted(skip)}")
+        twin = copy.copy(self)
+        twin.model = self.model.without_layers(skip)
+        twin.config = twin.model.cfg
+        twin._capacity = min(capacity or self._capacity, self._capacity)
+        shape = (twin.config.n_layers, self.config.n_kv_heads, twin._capacity,
+                 self.config.head_dim)
+        twin.k_cache = lazy_zeros(shape, self.dtype, self.device)
+        twin.v_cache = lazy_zeros(shape, self.dtype, self.device)
+        twin._length = 0
+        twin._static = twin._new_static()
+        twin.curve = None
         return twin
 
     def limit_vocab(self, ids) -> None:
