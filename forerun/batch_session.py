@@ -32,7 +32,7 @@ from forerun.policy import POLICIES, FixedK
 from forerun.prefix_cache import PrefixCache
 from forerun.profile import LiveCurve
 from forerun.propose import AUTO_TREE, AUTO_TREE_MAX, PROPOSERS, ProposerContext, SpecConfig
-from forerun.propose.draft_batch import SharedDraftModel
+from forerun.propose.draft_batch import SHARED_DRAFT, SharedDraftModel
 from forerun.runtime.batch import PoolFull
 from forerun.sampling import SamplingConfig, make_generator
 
@@ -62,7 +62,8 @@ class BatchSession:
     preempted: int = 0  # preemptions since start
     waiting: deque[Sequence] = field(default_factory=deque)
     live: list[Sequence] = field(default_factory=list)
-    _group: dict[str, Any] = field(default_factory=dict)  # shared head state (Medusa's, EAGLE's)
+    # state its members' drafters share (ProposerContext.batch): heads', the draft model
+    _group: dict[str, Any] = field(default_factory=dict)
     _draft: SharedDraftModel | None = None
     _lengths: BatchCostPolicy | None = None
     pass_size: int = 0  # members in the last pass
@@ -93,18 +94,17 @@ class BatchSession:
         if spec.method == "none":
             return seq
         seq.max_k, seq.shadow = max_nodes(spec), spec.shadow
-        if spec.method == "draft":
-            seq.proposer = self._shared_draft().proposer(seq.slots())
-        else:
-            if spec.method in KINDS and engine.heads is not None and not (
-                    self.target.capabilities.exposes(engine.heads.cfg.layers)):
-                raise ModelError(f"{spec.method} heads draft from the target's features, which "
-                                 "this runtime's batched passes do not return; use --runtime "
-                                 "torch, or decode one prompt at a time (generate)")
-            # each member its own drafter state (and stores: an EAGLE head's cache)
-            seq.proposer = PROPOSERS[spec.method](spec, ProposerContext(
-                engine.target, None, engine.heads, engine.tokenizer, capacity=seq.slots(),
-                batch=self._group, shared=engine.proposers.shared))
+        if spec.method in KINDS and engine.heads is not None and not (
+                self.target.capabilities.exposes(engine.heads.cfg.layers)):
+            raise ModelError(f"{spec.method} heads draft from the target's features, which "
+                             "this runtime's batched passes do not return; use --runtime "
+                             "torch, or decode one prompt at a time (generate)")
+        if spec.uses_draft:  # the batch's draft model drafts for every member that uses it
+            self._group[SHARED_DRAFT] = self._shared_draft()
+        # each member its own drafter state (and stores: an EAGLE head's cache)
+        seq.proposer = PROPOSERS[spec.method](spec, ProposerContext(
+            engine.target, None, engine.heads, engine.tokenizer, capacity=seq.slots(),
+            batch=self._group, shared=engine.proposers.shared))
         # under `joint` the batch's cost policy chooses k (capped by max_k, the request's k)
         seq.policy = (FixedK(spec.k) if self.joint else
                       POLICIES[spec.policy](spec, engine.target, seq.proposer.runtime))

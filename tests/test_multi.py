@@ -41,7 +41,7 @@ from functools import cache
 
 import pytest
 import torch
-from conftest import random_heads, tiny_model
+from conftest import random_heads, tiny_model, tiny_runtime
 from exact import (
     TableModel,
     TableRuntime,
@@ -60,22 +60,33 @@ from exact_multi import (
     spectr_mutant,
     spectr_verdicts,
 )
+from test_lossless_deep import rows as deep_rows
 
-import forerun.batch_engine
 import forerun.propose.multi as multi
+from forerun import Engine
 from forerun.batch_engine import Sequence, run_to_completion
+from forerun.batch_session import BatchSession
 from forerun.engine import speculative_decode
 from forerun.policy import POLICIES, FixedK
 from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
-from forerun.propose.base import Draft
+from forerun.propose.base import Draft, DraftRequest
+from forerun.propose.draft_batch import SHARED_DRAFT, SharedDraftModel
 from forerun.propose.draft_model import DraftModelProposer
-from forerun.propose.multi import MultiConfig, MultiProposer, join, merge, side_by_side
+from forerun.propose.multi import (
+    MULTI_DRAFTER,
+    MultiConfig,
+    MultiProposer,
+    join,
+    merge,
+    side_by_side,
+)
 from forerun.propose.ngram import NgramProposer
 from forerun.reference import plain_decode
 from forerun.runtime.batch import BatchTorchRuntime
 from forerun.runtime.torch_model import TorchRuntime
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 from forerun.tree import TokenTree
+from forerun.verify_spectr import TREE_VERIFIERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, ALPHA, RUNS = 3, 1e-4, 2000
@@ -394,8 +405,7 @@ def test_the_engine_with_a_broken_join_or_verifier_fails(name, monkeypatch):
     if broken == "merge":
         monkeypatch.setattr(multi, "merge", merge_unrenormalised)
     else:
-        monkeypatch.setitem(forerun.batch_engine.TREE_VERIFIERS, "spectr",
-                            spectr_mutant(SpecBug(rho="one")))
+        monkeypatch.setitem(TREE_VERIFIERS, "spectr", spectr_mutant(SpecBug(rho="one")))
     counts, _ = empirical(case, runs)
     _, _, _, new, models = ENGINE_CASES[case]
     assert chi_square_pvalue(target_joint(rows(models, "target"), new), counts) < ALPHA
@@ -492,3 +502,192 @@ def test_a_seeded_sampled_multi_member_is_the_same_alone_and_in_a_batch():
         run_to_completion(runtime, seqs)
         outputs.append([t for s in seqs[0].steps for t in s.tokens])
     assert outputs[0] == outputs[1] and len(outputs[0]) == 20
+
+
+# --- batched sessions: the batch's shared draft model drafts every member's chains ----------
+
+BATCH_SPECS = {
+    "draft+ngram": SpecConfig("multi", 3, multi_methods=("draft", "ngram")),
+    "three-chains-spectr": SpecConfig("multi", 2, multi_methods=("draft",) * 3,
+                                      multi_verifier="spectr"),
+    "ngram+draft+draft": SpecConfig("multi", 2, multi_methods=("ngram", "draft", "draft")),
+}
+KV_BUDGET = 1 << 20  # bytes of KV per model: the tiny models' few short sequences
+
+
+def _batch_engine(spec: SpecConfig) -> Engine:
+    from test_engine import word_tokenizer
+
+    target = TorchRuntime(tiny_model(0), capacity=256)
+    draft = TorchRuntime(tiny_model(0, noise=0.3), capacity=256)
+    return Engine.from_runtimes(target, word_tokenizer(), draft, spec)
+
+
+@pytest.mark.parametrize("name", list(BATCH_SPECS))
+def test_greedy_multi_with_the_draft_model_in_a_batched_session_equals_plain(name):
+    """A session (as generate_batch and the server run one) of multi members, whose
+    draft-model chains come from the batch's shared draft model, beside a plain member and a
+    draft member: each member's tokens are its plain greedy decoding's; the draft model's
+    passes hold several members."""
+    spec = BATCH_SPECS[name]
+    engine = _batch_engine(spec)
+    session = BatchSession(engine, KV_BUDGET)
+    draft = engine.batch_view("draft", KV_BUDGET)
+    members, forward = [], draft.forward
+
+    def counted(batch, *args, **kw):
+        members.append(len(batch.seqs))
+        return forward(batch, *args, **kw)
+
+    draft.forward = counted
+    cases = [(GREEDY_PROMPTS[0], 30, spec), (GREEDY_PROMPTS[1], 24, SpecConfig("none")),
+             (GREEDY_PROMPTS[2], 20, spec), (GREEDY_PROMPTS[0][::-1], 26, spec),
+             (GREEDY_PROMPTS[1], 22, SpecConfig("draft", 3))]
+    seqs = [session.sequence(list(p), SamplingConfig(), n, s) for p, n, s in cases]
+    for seq in seqs:
+        session.add(seq)
+    while not session.idle:
+        session.step()
+    for seq, (prompt, n, _) in zip(seqs, cases, strict=True):
+        assert seq.error is None and [t for s in seq.steps for t in s.tokens] == \
+            _plain(prompt, n), prompt
+    assert sum(s.drafted for s in seqs[0].steps) > 0
+    assert max(members) > 1, members
+    assert draft.pool.live == 0 and session.target.pool.live == 0  # every region freed
+
+
+def _chain_rows_hold(draft: Draft, tokens: list[int], draft_model: TorchRuntime) -> None:
+    """Every node's q is the draft model's distribution after the sequence and the node's path
+    (one fresh pass each: no cache state), and the root's siblings share one q exactly."""
+    tree = TokenTree.of(draft.parents, len(draft.tokens))
+    for i in range(len(tree)):
+        path = [int(draft.tokens[j]) for j in tree.path(i)][:-1]
+        draft_model.truncate(0)
+        logits = draft_model.forward(torch.tensor([*tokens, *path])).logits[-1]
+        assert torch.allclose(draft.q[i], logits_to_probs(logits, TEMPERATURE), atol=1e-9), i
+    roots = tree.children[0]
+    assert len(roots) > 1 and all(torch.equal(draft.q[r], draft.q[roots[0]]) for r in roots)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_k_chains_draw_their_roots_from_one_row_and_the_rest_from_their_paths(batched):
+    """Three draft-model chains after a step that accepted tokens (the cache lacks four of the
+    sequence's): the first chain's root row comes from a pass over those four, the others are
+    drawn from that same row (bit for bit), and each chain's later tokens from the draft's
+    distribution after its own path: alone and as members of a batch (the shared draft model)."""
+    spec = BATCH_SPECS["three-chains-spectr"]
+    target = TorchRuntime(tiny_model(0), capacity=64)
+    prompts = [GREEDY_PROMPTS[0], GREEDY_PROMPTS[1]]
+    if batched:
+        shared = SharedDraftModel(BatchTorchRuntime(TorchRuntime(tiny_model(0, noise=0.3),
+                                                                 capacity=64), KV_BUDGET), 64)
+        ctx = ProposerContext(target, None, batch={SHARED_DRAFT: shared}, capacity=64)
+        proposers = [PROPOSERS["multi"](spec, ctx) for _ in prompts]
+    else:
+        proposers = [PROPOSERS["multi"](spec, ProposerContext(target, TorchRuntime(
+            tiny_model(0, noise=0.3), capacity=64))) for _ in prompts]
+    requests = []
+    for i, (proposer, prompt) in enumerate(zip(proposers, prompts, strict=True)):
+        proposer.prefill(prompt)
+        requests.append(DraftRequest(proposer, [*prompt, 3, 9, 27], spec.k, TEMPERATURE,
+                                     make_generator(i)))
+    made = (MULTI_DRAFTER.propose(requests) if batched else
+            [r.proposer.propose(r.tokens, r.k, r.sampling, r.generator) for r in requests])
+    reference = TorchRuntime(tiny_model(0, noise=0.3), capacity=64)
+    for draft, r in zip(made, requests, strict=True):
+        assert len(draft.tokens) == 3 * spec.k
+        _chain_rows_hold(draft, r.tokens, reference)
+
+
+BATCHED_RUNS, BATCHED_NEW = 1500, 5
+
+
+def test_batched_multi_members_sample_the_target_joint(monkeypatch):
+    """Fails by chance with probability 3 ALPHA. One batch a run of the three BATCH_SPECS
+    members (tiny float64 transformers over V tokens, temperature 1), their draft-model chains
+    drafted by one shared draft model in MultiDrafter's rounds, each with its own seeded
+    generator: each member's NEW tokens over the runs against the target's exact joint."""
+    target = BatchTorchRuntime(tiny_runtime(0, vocab=V, capacity=64), KV_BUDGET)
+    shared = SharedDraftModel(BatchTorchRuntime(tiny_runtime(0, vocab=V, capacity=64, scale=1.0,
+                                                             noise=0.5), KV_BUDGET), V)
+    ctx = ProposerContext(target.single, None, batch={SHARED_DRAFT: shared}, capacity=64)
+    counts = {name: defaultdict(int) for name in BATCH_SPECS}
+    trees, join = Counter(), multi.join
+
+    def counted(drafts, merges):
+        d = join(drafts, merges)
+        trees.update(trees=int(not TokenTree.of(d.parents, len(d.tokens)).is_chain))
+        return d
+
+    monkeypatch.setattr(multi, "join", counted)
+    for run in range(BATCHED_RUNS):
+        seqs = {}
+        for i, (name, spec) in enumerate(BATCH_SPECS.items()):
+            proposer = PROPOSERS["multi"](spec, ctx)
+            seqs[name] = Sequence(list(PROMPT), TEMPERATURE, BATCHED_NEW,
+                                  make_generator(7919 * run + i), (), proposer, FixedK(spec.k),
+                                  max_k=spec.k * len(spec.multi_methods))
+        run_to_completion(target, list(seqs.values()))
+        for name, seq in seqs.items():
+            counts[name][tuple(t for s in seq.steps for t in s.tokens)] += 1
+    assert target.pool.live == 0 and shared.runtime.pool.live == 0
+    assert trees["trees"] >= BATCHED_RUNS * len(BATCH_SPECS), trees  # a tree a member a run
+    joint = target_joint(deep_rows("heads-target", TEMPERATURE), BATCHED_NEW)
+    for name in BATCH_SPECS:
+        assert chi_square_pvalue(joint, counts[name]) > ALPHA, name
+
+
+# --- real weights ---------------------------------------------------------------------------
+
+SMOL = "smollm2-135m-instruct"
+REAL_PROMPTS = ["Write a Python function that checks whether a string is a palindrome.",
+                "Explain what a hash map is in two sentences."]
+
+
+@pytest.mark.real
+def test_spectr_runs_on_real_bfloat16_weights():
+    """SmolLM2-135M as its own draft in bfloat16 (torch), three draft chains verified by
+    SpecTr at temperature 1, alone and in a batched session. After a step that accepted
+    tokens the first chain's root row comes from a pass over several tokens; a row recomputed
+    by a one-token pass differs from it in bfloat16, and SpecTr's check that the root's
+    siblings share one q raised on every prompt here until the chains drew their roots from
+    one row."""
+    from forerun.models.load import open_model
+
+    src = open_model(SMOL)
+    engine = Engine.from_runtimes(src.load(dtype="bfloat16"), src.tokenizer,
+                                  src.load(dtype="bfloat16"))
+    spec = SpecConfig("multi", 2, multi_methods=("draft",) * 3, multi_verifier="spectr")
+    hot = [SamplingConfig(temperature=1.0, seed=seed) for seed in range(len(REAL_PROMPTS))]
+    alone = [engine.generate(p, sampling=s, max_tokens=24, spec=spec)
+             for p, s in zip(REAL_PROMPTS, hot, strict=True)]
+    together = engine.generate_batch(REAL_PROMPTS, sampling=hot, max_tokens=24, spec=spec)
+    for out in [*alone, *together]:
+        assert len(out.token_ids) == 24 and out.stats.accepted > 0
+
+
+def test_the_server_s_worker_runs_multi_with_the_draft_model():
+    """The server's worker (one continuous batch): multi requests drafted by the batch's
+    shared draft model beside the n-gram lookup each stream their plain greedy tokens; a
+    request's speculation field keeps the server's multi methods (resolve_spec)."""
+    from test_serve_batch import run_jobs
+
+    from forerun.serve.app import resolve_spec
+    from forerun.serve.protocol import Speculation
+    from forerun.serve.worker import Delta, Done, Job, Worker
+
+    spec = BATCH_SPECS["ngram+draft+draft"]
+    engine = _batch_engine(spec)
+    asked, _ = resolve_spec(Speculation(k=3), spec, has_draft=True)
+    assert asked.multi_methods == spec.multi_methods and asked.k == 3
+    with pytest.raises(Exception, match="no draft model"):
+        resolve_spec(Speculation(method="multi"), spec, has_draft=False)
+    worker = Worker(engine, slots=3, max_queue=3, spec_policy="always")
+    budgets = [20, 16, 18]
+    out = run_jobs(worker, [Job(list(p), SamplingConfig(), n, (), s, emit=print) for p, n, s in
+                            zip(GREEDY_PROMPTS, budgets, [spec, asked, spec], strict=True)])
+    for i, (prompt, n) in enumerate(zip(GREEDY_PROMPTS, budgets, strict=True)):
+        assert isinstance(out.end(i), Done), out.end(i)
+        tokens = [t for e in out.events[i] if isinstance(e, Delta) for t in e.token_ids]
+        assert tokens == _plain(prompt, n), i
+    assert sum(out.end(i).stats.drafted for i in range(3)) > 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from forerun.heads import Heads
 from forerun.profile import calibrated_curve
 from forerun.propose.base import Draft, Needs, Proposer, ProposerContext
+from forerun.propose.draft_batch import SHARED_DRAFT
 from forerun.propose.draft_model import DraftModelProposer
 from forerun.propose.eagle import EagleProposer, shared_eagle
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer, VerifyCurve
@@ -138,6 +139,9 @@ def tree_budget(text: str) -> int:
 
 
 def _draft(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    shared = None if ctx.batch is None else ctx.batch.get(SHARED_DRAFT)
+    if shared is not None:  # a batch member: the batch's draft model drafts for it and others
+        return shared.proposer(ctx.capacity)
     if ctx.draft is None:
         raise ValueError("method 'draft' needs a draft model (--draft)")
     return DraftModelProposer(ctx.draft, ctx.target.config.vocab_size)
@@ -169,11 +173,13 @@ def _layer_skip(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
 
 
 def _multi(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
-    """Each sub-method's proposer as it would be built alone (drafting alone: no batch's
-    shared heads), joined."""
+    """One proposer per sub-method (one listed k times drafts k times), each as it would be
+    built alone (no batch's shared heads) but the draft model's: a batch's shared one."""
     cfg = spec.multi()
-    alone = replace(ctx, batch=None)
-    return MultiProposer([PROPOSERS[m](replace(spec, method=m), alone) for m in cfg.methods], cfg)
+    draft = None if ctx.batch is None else ctx.batch.get(SHARED_DRAFT)
+    sub = replace(ctx, batch=None if draft is None else {SHARED_DRAFT: draft})
+    built = {m: PROPOSERS[m](replace(spec, method=m), sub) for m in dict.fromkeys(cfg.methods)}
+    return MultiProposer([built[m] for m in cfg.methods], cfg)
 
 
 HeadArgs = tuple[Heads, int, int, int, VerifyCurve | None, bool, LookupBranch | None]

@@ -34,10 +34,18 @@ and the two joins:
   below the root each branch is a chain. Where every sub-draft chose its tokens (q = None:
   greedy) the trie is built instead: nothing is sampled, and merging only saves rows.
 
-Sub-proposers that share a runtime (the one draft model, listed twice) share its cache: after
-each one drafts, its cache is cut back to the sequence but the pending token, so the next one
-drafts from the same state (each prefills the prompt: k prefills of the draft model). The
-method's needs are its sub-proposers' (at most one of them may read the target's features).
+A method listed k times is one proposer drafting k times (the factory builds one per method):
+between its drafts its model's cache is cut back to the sequence but the pending token, so each
+drafts from the same state, and a draft model draws each draft's first token from the same row
+(`forerun.propose.draft_model.RootRow`): the k root candidates are i.i.d. draws from one q, as
+SpecTr needs, where a recomputed row would differ by rounding. One prefill. The method's needs
+are its sub-proposers' (at most one of them may read the target's features).
+
+In a batch (`MultiDrafter`, the `group` of every multi member one of whose sub-proposers drafts
+in a group, such as the batch's shared draft model): round j runs every member's j-th
+sub-proposer, those of a group in one call of it (one draft-model pass per position for all
+the members' chains), the others alone; so each member's generator is drawn in its configured
+order, as when it drafts alone, which is the same code with a batch of one.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from forerun.propose.base import Draft, Needs, Proposer
+from forerun.propose.base import BatchDrafter, Draft, DraftRequest, Needs, Proposer
 from forerun.sampling import SamplingConfig
 from forerun.tree import TokenTree
 from forerun.verify_spectr import TREE_VERIFIERS
@@ -176,47 +184,81 @@ class MultiProposer:
     `side_by_side`); `propose`'s k is each sub-proposer's."""
 
     name = "multi"
-    group = None  # drafts alone, through propose (its sub-proposers too)
 
     def __init__(self, subs: list[Proposer], cfg: MultiConfig):
         self.subs, self.cfg = subs, cfg
+        self.unique = list({id(s): s for s in subs}.values())  # each proposer once
         self.needs = joint_needs(subs, cfg.verifier)
         # the cost policy prices drafting by this runtime's step (the draft model's, if any)
         self.runtime = next((s.runtime for s in subs if s.runtime is not None), None)
-        runtimes = [id(s.runtime) for s in subs if s.runtime is not None]
-        self._shares = [s.runtime is not None and runtimes.count(id(s.runtime)) > 1
-                        for s in subs]
+        # sub j drafts again later from its model's cache: cut it back after drafting
+        self.again = [s.runtime is not None and any(t.runtime is s.runtime for t in subs[j + 1:])
+                      for j, s in enumerate(subs)]
+        # drafts with the batch's other multi members where a sub-proposer drafts in a group
+        self.group = MULTI_DRAFTER if any(s.group is not None for s in subs) else None
 
     def prefill(self, prompt: list[int]) -> None:
-        for s in self.subs:
+        for s in self.unique:
             s.prefill(prompt)
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig,
                 generator: torch.Generator) -> Draft:
-        if k == 0:
-            return Draft.empty()
-        drafts = []
-        for s, shares in zip(self.subs, self._shares, strict=True):
-            drafts.append(s.propose(tokens, k, sampling, generator))
-            if shares:  # the next one drafts from the same cache: the sequence but its last
-                s.commit(len(tokens) - 1)
-        return join(drafts, self.cfg.merges)
+        return MULTI_DRAFTER.propose([DraftRequest(self, tokens, k, sampling, generator)])[0]
 
     def commit(self, num_final: int) -> None:
-        for s in self.subs:
+        for s in self.unique:
             s.commit(num_final)
 
     def feed(self, hidden: dict[int, torch.Tensor]) -> None:
-        for s in self.subs:
+        for s in self.unique:
             if s.needs.hidden_layers:
                 s.feed(hidden)
 
     def constrain(self, grammar) -> None:
-        for s in self.subs:
+        for s in self.unique:
             if s.needs.grammar:
                 s.constrain(grammar)
 
     def archive(self, output: list[int]) -> None:
-        for s in self.subs:
+        for s in self.unique:
             if s.needs.archive:
                 s.archive(output)
+
+
+class MultiDrafter:
+    """The BatchDrafter of multi members (stateless: it reads each request's MultiProposer).
+    Round j drafts every member's j-th sub-proposer: those that draft in a group together,
+    through it, the others alone; then cuts back the caches of those that draft again."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        multis: list[MultiProposer] = [r.proposer for r in requests]
+        subs = [m.subs if r.k else [] for m, r in zip(multis, requests, strict=True)]
+        drafts: list[list[Draft | None]] = [[] for _ in requests]
+        for j in range(max(map(len, subs), default=0)):
+            grouped: dict[int, tuple[BatchDrafter, list[tuple[int, DraftRequest]]]] = {}
+            for i, r in enumerate(requests):
+                if j >= len(subs[i]):
+                    continue
+                s = subs[i][j]
+                if s.group is None:
+                    drafts[i].append(s.propose(r.tokens, r.k, r.sampling, r.generator))
+                else:
+                    drafts[i].append(None)
+                    grouped.setdefault(id(s.group), (s.group, []))[1].append(
+                        (i, DraftRequest(s, r.tokens, r.k, r.sampling, r.generator)))
+            for group, asked in grouped.values():
+                made = group.propose([a for _, a in asked])
+                for (i, _), draft in zip(asked, made, strict=True):
+                    drafts[i][j] = draft
+            for i, r in enumerate(requests):
+                if j < len(subs[i]) and multis[i].again[j]:  # the same state for the next
+                    subs[i][j].commit(len(r.tokens) - 1)
+        return [join(d, m.cfg.merges) for d, m in zip(drafts, multis, strict=True)]
+
+    def release(self, proposer: MultiProposer) -> None:
+        for s in proposer.unique:
+            if s.group is not None:
+                s.group.release(s)
+
+
+MULTI_DRAFTER = MultiDrafter()
