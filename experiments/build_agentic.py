@@ -232,11 +232,12 @@ def method_sources(source: str) -> list[tuple[str, ast.FunctionDef]]:
 
 
 def renamable(fn: ast.FunctionDef) -> list[str]:
-    """Parameters (not self), then local names, each used at least twice, first seen first."""
-    names = [a.arg for a in fn.args.args + fn.args.kwonlyargs if a.arg != "self"]
-    names += [n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(
+    """Parameters (not self), then local names, each written at least twice (a parameter's
+    declaration counts), first seen first."""
+    params = [a.arg for a in fn.args.args + fn.args.kwonlyargs if a.arg != "self"]
+    names = params + [n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(
         n.ctx, ast.Store)]
-    uses = [n.id for n in ast.walk(fn) if isinstance(n, ast.Name)] + names[:len(fn.args.args)]
+    uses = [n.id for n in ast.walk(fn) if isinstance(n, ast.Name)] + params
     return [n for n in dict.fromkeys(names) if uses.count(n) >= 2 and len(n) > 1]
 
 
