@@ -61,6 +61,8 @@ def add_parser(sub) -> None:
                    help="most candidate sets measured (the lone layers' included)")
     s.add_argument("--patience", type=int, default=d.patience,
                    help="rounds without a better speedup before it stops")
+    s.add_argument("--max-seconds", type=float, default=d.max_seconds,
+                   help="start no search round after this long (0 = no limit)")
     s.add_argument("--flat-verify", action="store_true",
                    help="price a verify pass of k+1 tokens as one of 1 token (the standard "
                         "formula) instead of by the target's measured verify curve")
@@ -74,7 +76,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     cfg = TuneConfig(args.prompts, args.reply_tokens, args.max_k, args.pool, args.max_evals,
-                     args.patience)
+                     args.patience, args.max_seconds)
     if not cfg.prompts <= len(CHAT_PROMPTS):
         raise ValueError(f"--prompts must be 1..{len(CHAT_PROMPTS)}")
     load = load_config(args)

@@ -20,12 +20,13 @@ The search (greedy elimination, as SWIFT's and Draft & Verify's, made cheap): ev
 first tried alone; then, from nothing skipped, each round adds the one of the `pool` layers
 whose lone skip hurt least that keeps the most agreement, and the set with the most expected
 speedup of all those measured is the answer. It stops after `patience` rounds without a
-better speedup, after `max_evals` trials, or with one layer left. Layers cost the same, so
-within a round agreement decides.
+better speedup, after `max_evals` trials or `max_seconds`, or with one layer left. Layers
+cost the same, so within a round agreement decides.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -47,10 +48,11 @@ class TuneConfig:
     max_evals: int = 80  # trials at most, the n lone layers' included (a trial: one forward
     # of the skipped model over all texts)
     patience: int = 2  # rounds without a better speedup before it stops
+    max_seconds: float = 0.0  # no round starts after this long (0 = no limit)
 
     def __post_init__(self):
         if min(self.prompts, self.reply_tokens, self.max_k, self.pool, self.max_evals,
-               self.patience) < 1:
+               self.patience) < 1 or self.max_seconds < 0:
             raise ValueError(f"every tune setting must be >= 1, got {self}")
 
 
@@ -93,7 +95,7 @@ class SearchResult:
     singles: list[Trial]  # every layer skipped alone
     rounds: list[Trial]  # each round's pick, in order
     evals: int
-    stopped: str  # "patience", "budget" or "layers"
+    stopped: str  # "patience", "budget", "time" or "layers"
     config: TuneConfig
     rows: int  # scored rows (calibration tokens)
     trials: list[Trial] = field(default_factory=list)  # every set measured
@@ -152,7 +154,7 @@ def search(target: TorchRuntime, calib: Calibration, cfg: TuneConfig,
            verify: Callable[[int], float] = lambda n: 1.0,
            on_trial: Callable[[Trial], None] = lambda trial: None) -> SearchResult:
     """The greedy search of the module docstring over `target`'s layers."""
-    n = target.config.n_layers
+    n, started = target.config.n_layers, time.perf_counter()
     reference = top1(target.without_layers((), len(calib.tokens)), calib)  # [R]
     trials: dict[tuple[int, ...], Trial] = {}
 
@@ -175,6 +177,9 @@ def search(target: TorchRuntime, calib: Calibration, cfg: TuneConfig,
         pool = [i for i in order if i not in current][:cfg.pool]
         if len(trials) + len(pool) > cfg.max_evals:
             stopped = "budget"
+            break
+        if cfg.max_seconds and time.perf_counter() - started > cfg.max_seconds:
+            stopped = "time"
             break
         pick = max((measure(tuple(sorted((*current, i)))) for i in pool),
                    key=lambda t: t.agreement)
