@@ -245,7 +245,7 @@ def test_the_packed_calibration_pass_scores_each_text_as_alone():
 
 
 def test_the_expected_speedup_formula():
-    assert best_k(0.0, 0.5, 8) == (0, 1.0)  # nothing accepted: plain decoding
+    assert best_k(0.0, 0.5, 8) == (1, 1 / 1.5)  # nothing accepted: it does not pay
     k, speedup = best_k(1.0, 0.1, 8)  # all accepted: the longest draft
     assert k == 8 and speedup == pytest.approx(9 / 1.8)
     k, speedup = best_k(0.8, 0.5, 8)

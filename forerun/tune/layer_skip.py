@@ -85,8 +85,8 @@ class Trial:
     skip: tuple[int, ...]
     agreement: float  # a: the skipped model's top-1 == the target's, over the scored rows
     cost: float  # c: a draft step's weights / a target pass's
-    k: int  # the draft length with the most expected speed (0: none pays)
-    speedup: float  # expected tokens/s over plain decoding's at that k
+    k: int  # the draft length with the most expected speed
+    speedup: float  # expected tokens/s over plain decoding's at that k (< 1: it does not pay)
 
 
 @dataclass
@@ -139,9 +139,10 @@ def draft_cost(target: TorchRuntime, skipped: int) -> float:
 
 def best_k(agreement: float, cost: float, max_k: int,
            verify: Callable[[int], float] = lambda n: 1.0) -> tuple[int, float]:
-    """(k, expected speedup over plain) at the k <= max_k with the most expected tokens/s;
-    k = 0 (plain, 1.0) if no draft pays. `verify(n)`: a target pass over n tokens / over 1."""
-    best = (0, 1.0)
+    """(k, expected speedup over plain) at the k in 1..max_k with the most expected tokens/s,
+    below 1 where no draft pays (sets are still ranked; the cost policy then drafts none).
+    `verify(n)`: a target pass over n tokens / over 1."""
+    best = (0, 0.0)
     for k in range(1, max_k + 1):
         tokens = k + 1 if agreement >= 1 else (1 - agreement ** (k + 1)) / (1 - agreement)
         speedup = tokens / (k * cost + verify(k + 1))
@@ -169,7 +170,8 @@ def search(target: TorchRuntime, calib: Calibration, cfg: TuneConfig,
 
     singles = [measure((i,)) for i in range(n)] if n > 1 else []
     order = [t.skip[0] for t in sorted(singles, key=lambda t: -t.agreement)]
-    best = max(singles, key=lambda t: t.speedup, default=Trial((), 1.0, 1.0, 0, 1.0))
+    nothing = Trial((), 1.0, 1.0, *best_k(1.0, 1.0, cfg.max_k, verify))  # the target itself
+    best = max(singles, key=lambda t: t.speedup, default=nothing)
     current: tuple[int, ...] = ()
     rounds: list[Trial] = []
     stale, stopped = 0, "layers"
