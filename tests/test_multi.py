@@ -22,15 +22,24 @@ escape probability stated in MUTANTS, recomputed from its exact distribution (ex
 for the merge on the sharp tables, 6,000 runs: escapes with 8.6e-9; 0.150 for rho = 1, 2,000
 runs: 2.2e-15).
 
-False failures: each of the 3 engine checks fails by chance with probability ALPHA = 1e-4
+Batched (tiny float64 transformers over the same 3 tokens): one batch a run of three multi
+members (draft + ngram, three chains under SpecTr, ngram + two chains) whose draft-model chains
+all come from one shared draft model (`MultiDrafter`'s rounds), BATCHED_RUNS runs, each member
+against the target's exact joint (p-values seen: 0.63, 0.68, 0.34).
+
+False failures: each of the 6 engine checks fails by chance with probability ALPHA = 1e-4
 (asymptotic chi-square), each mutant check with its stated escape probability (<= 1e-8).
-Module total: 3e-4 + 2e-8 < 4e-4. Greedy equality and the exact identities are deterministic.
+Module total: 6e-4 + 2e-8 < 7e-4. Greedy equality and the exact identities are deterministic.
 
 Greedy (tiny float64 transformers, conftest): `multi` alone (draft + ngram; three draft chains
 under spectr, which merge into one chain when nothing is sampled; ngram + two draft chains; an
-EAGLE head's tree + draft + ngram, the head fed the target's features through `multi`) and as
-members of a mixed batch equals plain greedy decoding token for token; a seeded sampled member
-gives the same tokens alone and in a batch.
+EAGLE head's tree + draft + ngram, the head fed the target's features through `multi`), as
+members of a mixed batch, in a batched session with the batch's shared draft model (beside
+plain and draft members) and through the server's worker, equals plain greedy decoding token
+for token; a seeded sampled member gives the same tokens alone and in a batch. The k chains
+draw their roots from one q row, bit for bit, and every later token from the draft's row after
+its own path, alone and batched. Real weights (SmolLM2-135M in bfloat16, torch): SpecTr over
+three draft chains runs, alone and batched (it raised before the shared root row).
 """
 
 from __future__ import annotations
