@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import forerun.batch_engine as decode_loop
+import forerun.batch_verify as verify_phase
 from forerun.api import Engine
 from forerun.propose import PROPOSERS, SpecConfig
 from forerun.propose.base import Draft
@@ -116,22 +116,23 @@ VERIFIERS = {"rejection": EXACT, "accept-all": ACCEPT_ALL}
 
 @contextmanager
 def _in_engine(verifier: Verifier) -> Iterator[None]:
-    """The engine's loop with `verifier`'s samplers (the self-test); forerun.batch_engine looks them
-    up as module globals, swapped here for the duration and always restored."""
+    """The engine's loop with `verifier`'s samplers (the self-test); its verify phase
+    (forerun.batch_verify) looks them up as module globals, swapped here for the duration and
+    always restored."""
     if verifier is EXACT:  # the engine as it ships
         yield
         return
     names = {"batch_rejection_sample": verifier.chains or each_member(verifier.chain),
              "TREE_VERIFIERS": {**TREE_VERIFIERS, "rrs": verifier.tree},
              "greedy_accept": verifier.greedy}
-    saved = {name: getattr(decode_loop, name) for name in names}
+    saved = {name: getattr(verify_phase, name) for name in names}
     try:
         for name, fn in names.items():
-            setattr(decode_loop, name, fn)
+            setattr(verify_phase, name, fn)
         yield
     finally:
         for name, fn in saved.items():
-            setattr(decode_loop, name, fn)
+            setattr(verify_phase, name, fn)
 
 
 # --- (a) greedy identity --------------------------------------------------------------------

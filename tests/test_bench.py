@@ -281,7 +281,7 @@ def test_a_divergence_is_located_and_plain_s_margin_replayed():
 def test_generate_compare_locates_a_broken_verifier_s_divergence(pair, monkeypatch, capsys):
     """`generate --compare` on greedy output that parts from plain says where and with what
     margin; a verifier that accepts every draft token parts at a token plain was sure of."""
-    import forerun.batch_engine
+    import forerun.batch_verify
     from forerun.verify import TreeVerdict
 
     args = ["generate", "--target", str(pair[0]), "--method", "ngram", "-k", "4", "--dtype",
@@ -294,7 +294,7 @@ def test_generate_compare_locates_a_broken_verifier_s_divergence(pair, monkeypat
         n = draft_tokens.shape[0]
         return TreeVerdict([*draft_tokens.tolist(), int(best[-1])], list(range(n)))
 
-    monkeypatch.setattr(forerun.batch_engine, "greedy_accept", accept_everything)
+    monkeypatch.setattr(forerun.batch_verify, "greedy_accept", accept_everything)
     assert cli.main(args) == 0
     broken = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     d = broken["divergence"]

@@ -20,7 +20,7 @@ from scipy.stats import chi2
 from test_engine import word_tokenizer
 from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
 
-import forerun.batch_engine
+import forerun.batch_verify
 import forerun.verify
 import forerun.verify_batch
 from forerun import Engine
@@ -90,8 +90,8 @@ def test_a_verifier_that_accepts_every_draft_token_fails_both_tests(name):
     assert parted and all(r.divergence["logit_gap"] > 1e-9 for r in parted)
     assert min(c.p_value for c in report.sampling.contexts) < ALPHA / 2
     # the engine's own samplers are back after the self-test
-    assert forerun.batch_engine.greedy_accept is forerun.verify.greedy_accept
-    assert (forerun.batch_engine.batch_rejection_sample
+    assert forerun.batch_verify.greedy_accept is forerun.verify.greedy_accept
+    assert (forerun.batch_verify.batch_rejection_sample
             is forerun.verify_batch.batch_rejection_sample)
 
 

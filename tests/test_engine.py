@@ -34,6 +34,8 @@ def speculative(method, k, policy="fixed", prompt=(), draft_seed=0, max_new=MAX_
     target = tiny_runtime(target_seed, capacity=capacity)
     draft = tiny_runtime(draft_seed, capacity=capacity, noise=noise)
     spec = SpecConfig(method, k, policy)
+    if price is not None:
+        price(target)  # (a drafter may read the target's curve as it is built: lookahead)
     proposer = PROPOSERS[method](spec, ProposerContext(target, draft, heads_for(method, target)))
     if price is not None:
         price(target, proposer.runtime)
@@ -123,7 +125,7 @@ def test_seeded_sampling_reproduces():
 
 def test_unknown_method_is_rejected():
     with pytest.raises(ValueError, match="unknown method"):
-        SpecConfig("lookahead")
+        SpecConfig("no-such-method")
 
 
 def test_tiny_model_logits_are_float64():

@@ -13,12 +13,12 @@ proposed at each depth (tests/exact.py's `Recorder`, a wrapper around the propos
 them, so no case is a one-token draft in disguise.
 
 Power: the engine-level test with a broken verifier injected (tests/exact.py's chain mutants in
-place of forerun.batch_engine.rejection_sample under the draft model, its tree mutants in place of
-recursive_rejection_sample under TopTwoTree) must fail. Each mutant's exact distribution over
-the NEW tokens is computed (every draft, every verdict, every later step: `engine_joint`; with
-the real verifier it is the target's joint to 1e-16), and from it the test's power (noncentral
-chi-square, asymptotic); `test_the_stated_engine_powers_hold` recomputes the figures stated in
-MUTANTS.
+place of forerun.batch_verify.batch_rejection_sample under the draft model, its tree mutants in
+place of recursive_rejection_sample under TopTwoTree) must fail. Each mutant's exact
+distribution over the NEW tokens is computed (every draft, every verdict, every later step:
+`engine_joint`; with the real verifier it is the target's joint to 1e-16), and from it the
+test's power (noncentral chi-square, asymptotic); `test_the_stated_engine_powers_hold`
+recomputes the figures stated in MUTANTS.
 
 False failures: each of the 6 CASES, the 2 HEAD_CASES and the TopTwoTree check fails by chance
 with probability ALPHA = 1e-4 (asymptotic chi-square); each of the 7 mutant checks with its
@@ -50,7 +50,7 @@ from exact import (
     verdict_distribution,
 )
 
-import forerun.batch_engine
+import forerun.batch_verify
 from forerun.engine import speculative_decode
 from forerun.policy import AdaptiveK, CostModelK, FixedK
 from forerun.profile import ForwardCurve
@@ -280,10 +280,10 @@ def test_the_engine_with_a_mutant_verifier_fails(name, monkeypatch):
     ALPHA (it does not with the probability stated in MUTANTS)."""
     bug, is_tree, _ = MUTANTS[name]
     if is_tree:
-        monkeypatch.setitem(forerun.batch_engine.TREE_VERIFIERS, "rrs", tree_mutant(bug))
+        monkeypatch.setitem(forerun.batch_verify.TREE_VERIFIERS, "rrs", tree_mutant(bug))
         proposer, K = TopTwoTree(TEMPERATURE), TREE_K
     else:
-        monkeypatch.setattr(forerun.batch_engine, "batch_rejection_sample",
+        monkeypatch.setattr(forerun.batch_verify, "batch_rejection_sample",
                             each_member(chain_mutant(bug)))
         proposer, K = draft_proposer(), CHAIN_K
     counts, depths = empirical(proposer, lambda: FixedK(K), TEMPERATURE, K + 2)

@@ -60,8 +60,9 @@ DEFAULT_GUESSES = 7  # G
 PRIOR_GAIN = 1.0 / math.log(11.0)
 PRIOR_PASSES = 2.0
 GAIN_MEMORY = 16.0
-# w = 0 learns nothing: every PROBE_EVERY-th plain pass probes w = 1; a probe that gains
-# nothing doubles the interval (to MAX_PROBE_EVERY), one that gains resets it
+# w = 0 learns nothing: every PROBE_EVERY-th plain pass probes the smallest window that adds a
+# row; a probe that gains nothing doubles the interval (to MAX_PROBE_EVERY), one that gains
+# resets it
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 128
 
@@ -249,10 +250,11 @@ class LookaheadProposer:
                 for w in fits]
         w = fits[max(range(len(fits)), key=rate.__getitem__)]
         self._plain = self._plain + 1 if w == 0 else 0
-        self._probing = w == 0 and self._plain >= self._probe_every and len(fits) > 1
+        adds = [w for w in fits if self._rows(w)]  # windows that add a row
+        self._probing = w == 0 and self._plain >= self._probe_every and bool(adds)
         if self._probing:
             self._plain = 0
-            return fits[1]
+            return adds[0]
         return w
 
     def _learn(self, added: int, accepted: int) -> None:
