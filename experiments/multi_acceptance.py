@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None,
                     help="N prompts only, every (12 / N)-th: both workloads alike")
     ap.add_argument("--temperatures", default="1,0")
+    ap.add_argument("--rows", default=None, help="these rows only (names, '|'-separated)")
     ap.add_argument("--runtime", default="torch")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--target", default=None, help="default: the catalog's default pair")
@@ -92,17 +93,20 @@ def main() -> None:
         print(f"temperature {temperature:g}, budget {args.budget} nodes, {len(prompts)} "
               f"prompts x {args.max_tokens} tokens", flush=True)
         for name, spec in configs(args.budget, temperature == 0).items():
+            if args.rows and name not in args.rows.split("|"):
+                continue
             rows[name] = measure(engine, prompts, spec, temperature, args.seeds, args.max_tokens)
             r = rows[name]
             write(args, prompts, {**results, f"{temperature:g}": rows})  # each row as it comes
             print(f"  {name:32s} accepted/pass {r['accepted_per_pass']:.3f}  tokens/pass "
                   f"{r['tokens_per_pass']:.3f}  acceptance {r['acceptance']:.3f}  "
                   f"({r['passes']} passes, {r['wall_s']:.0f} s)", flush=True)
-        best = max(rows[n]["accepted_per_pass"] for n in SINGLE)
-        for r in rows.values():
+        best = max((rows[n]["accepted_per_pass"] for n in SINGLE if n in rows), default=0.0)
+        for r in rows.values() if best else ():
             r["vs_best_single"] = r["accepted_per_pass"] / best
-        print("  accepted/pass over the best single drafter's: " + ", ".join(
-            f"{n} {r['vs_best_single']:.2f}x" for n, r in rows.items() if n not in SINGLE))
+        if best:
+            print("  accepted/pass over the best single drafter's: " + ", ".join(
+                f"{n} {r['vs_best_single']:.2f}x" for n, r in rows.items() if n not in SINGLE))
         results[f"{temperature:g}"] = rows
         write(args, prompts, results)
 
