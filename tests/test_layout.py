@@ -110,7 +110,7 @@ FOREIGN_PROBES = {
     ("models/chat_template.py", "__obj"): "the template sandbox: what a template calls",
     ("models/chat_template.py", "bound"): "the template sandbox: what a template calls",
     ("bench/heads_cost.py", "self.inner"): "TimedProposer, a proxy: all but propose is inner's",
-    ("check.py", "decode_loop"): "the self-test swaps the engine module's samplers, restores them",
+    ("check.py", "verify_phase"): "the self-test swaps the verify phase's samplers, restores them",
     ("bench/throughput_peers.py", "tok"): "a Hugging Face tokenizer's chat template",
 }
 
