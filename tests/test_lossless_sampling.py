@@ -30,7 +30,7 @@ import torch
 from conftest import tiny_runtime
 from scipy.stats import chisquare
 
-import forerun.batch_engine
+import forerun.batch_verify
 from forerun.engine import speculative_decode
 from forerun.policy import AdaptiveK, CostModelK, FixedK
 from forerun.profile import ForwardCurve
@@ -134,7 +134,7 @@ def test_a_broken_verifier_fails_the_same_test(monkeypatch):
         bonus = int(torch.multinomial(p[-1], 1, generator=generator))
         return Verdict([*draft_tokens.tolist(), bonus], draft_tokens.shape[0])
 
-    monkeypatch.setattr(forerun.batch_engine, "batch_rejection_sample",
+    monkeypatch.setattr(forerun.batch_verify, "batch_rejection_sample",
                         each_member(accept_everything))
     cfg = SAMPLINGS["temperature"]
     assert chi_square_pvalue(exact_joint(cfg), empirical("draft", 2, cfg)) < ALPHA
