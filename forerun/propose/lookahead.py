@@ -176,7 +176,8 @@ class LookaheadProposer:
         self.levels = [self._fill(self.cfg.window)]
 
     def propose(self, tokens, k, sampling, generator) -> Draft:
-        if len(tokens) < len(self.text) or tokens[:len(self.text)] != self.text:
+        seen = len(self.text)
+        if seen > len(tokens) or (seen and tokens[seen - 1] != self.text[-1]):
             self.prefill(tokens[:-1])  # not this sequence's continuation: start anew
         self._sync(tokens)
         self._made = None
@@ -235,22 +236,24 @@ class LookaheadProposer:
         """n tokens of the text (the window's guesses before it has any)."""
         return [self._rng.choice(self.text) if self.text else 0 for _ in range(n)]
 
-    def _rows(self, w: int) -> int:
+    def _rows(self) -> list[int]:
+        """Rows a pass adds with each window w = 0..W, now (the levels filled, x's guesses)."""
         x = self.text[-1] if self.text else -1
-        g = len(self.pool.guesses(x, min(self.cfg.guesses, w)))
-        return rows(w, len(self.levels), g, self.cfg.ngram)
+        held = len(self.pool.guesses(x, self.cfg.guesses))
+        return [rows(w, len(self.levels), min(held, w), self.cfg.ngram)
+                for w in range(self.cfg.window + 1)]
 
     def _window(self, k: int) -> int:
         """This pass's w: the largest that fits k, or with `auto` the best under the curve."""
-        fits = [w for w in range(self.cfg.window + 1) if self._rows(w) <= k]
+        added = self._rows()  # [W + 1]
+        fits = [w for w, n in enumerate(added) if n <= k]
         if not self.cfg.auto or self.curve is None:
             return fits[-1]
         gain = (self._gain + PRIOR_GAIN * PRIOR_PASSES) / (self._passes + PRIOR_PASSES)
-        rate = [(1 + gain * math.log(1 + self._rows(w))) / self.curve(1 + self._rows(w))
-                for w in fits]
+        rate = [(1 + gain * math.log(1 + added[w])) / self.curve(1 + added[w]) for w in fits]
         w = fits[max(range(len(fits)), key=rate.__getitem__)]
         self._plain = self._plain + 1 if w == 0 else 0
-        adds = [w for w in fits if self._rows(w)]  # windows that add a row
+        adds = [w for w in fits if added[w]]  # windows that add a row
         self._probing = w == 0 and self._plain >= self._probe_every and bool(adds)
         if self._probing:
             self._plain = 0
