@@ -2,11 +2,12 @@
 
 Every client loops over the workload prompts (chat, greedy); a `--disconnect` share of its
 requests are dropped after 1-8 chunks on purpose. The server's RSS is sampled every second and
-its /metrics (KV bytes in use, requests running) every 5 s. At the end, after the server is idle:
-requests sent, completed, dropped on purpose and lost (an error, a truncated stream, a hang), RSS
-when idle before and after, its peak, its slope over the second half (MB/min), the KV bytes still
-held. Writes soak.json and soak.png to --out and exits 1 if a request was lost or the KV did not
-return to zero.
+its /metrics (KV bytes in use, requests running, prefix-cache bytes) every 5 s. At the end, after
+the server is idle: requests sent, completed, dropped on purpose and lost (an error, a truncated
+stream, a hang), RSS when idle before and after, its peak, its slope over the second half
+(MB/min), that slope less the prefix cache's blocks (bounded by their own budget), the KV bytes
+still held. Writes soak.json and soak.png to --out and exits 1 if a request was lost or the KV
+did not return to zero.
 
     forerun serve --port 8000 ... &
     python experiments/serve_soak.py --base-url http://127.0.0.1:8000 --pid $! --minutes 10
@@ -67,11 +68,24 @@ async def one(http: httpx.AsyncClient, model: str, messages: list, max_tokens: i
         return f"lost: {type(e).__name__} {e}"
 
 
+def mb_per_min(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of (seconds, GB) points, in MB a minute (0: too few)."""
+    if len(points) < 3:
+        return 0.0
+    return statistics.linear_regression([t for t, _ in points],
+                                        [g for _, g in points]).slope * 60 * 1000
+
+
+def prefix_at(kv: list[tuple[float, float, float, float]], t: float) -> float:
+    """The prefix cache's GB at the last /metrics sample at or before `t` (0 before any)."""
+    return next((p for s, _, _, p in reversed(kv) if s <= t), 0.0)
+
+
 async def soak(args, prompts: list[list[dict]]) -> dict:
     base = args.base_url.rstrip("/")
     outcomes: list[str] = []
     samples: list[tuple[float, float]] = []  # (seconds, RSS GB)
-    kv: list[tuple[float, float, float]] = []  # (seconds, KV GB in use, running)
+    kv: list[tuple[float, float, float, float]] = []  # (s, KV GB in use, running, prefix GB)
     start = time.monotonic()
     end = start + args.minutes * 60
     rng = random.Random(args.seed)
@@ -95,7 +109,8 @@ async def soak(args, prompts: list[list[dict]]) -> dict:
                 if tick % 5 == 0:
                     text = (await http.get(f"{base}/metrics")).text
                     kv.append((t, metric(text, "forerun_kv_cache_bytes_in_use") / 1e9,
-                               metric(text, "forerun_requests_running")))
+                               metric(text, "forerun_requests_running"),
+                               metric(text, "forerun_prefix_cache_bytes") / 1e9))
                 tick += 1
                 await asyncio.sleep(1)
 
@@ -109,8 +124,9 @@ async def soak(args, prompts: list[list[dict]]) -> dict:
         await asyncio.sleep(2)
         text = (await http.get(f"{base}/metrics")).text
     half = [(t, g) for t, g in samples if t >= args.minutes * 30]
-    slope = (statistics.linear_regression([t for t, _ in half], [g for _, g in half]).slope
-             * 60 * 1000 if len(half) > 2 else 0.0)
+    slope = mb_per_min(half)
+    # RSS less the prefix cache's blocks (bounded by its own budget): what else grows
+    net = [(t, g - prefix_at(kv, t)) for t, g in half]
     lost = [o for o in outcomes if o.startswith("lost")]
     return {"clients": args.clients, "minutes": args.minutes, "requests": len(outcomes),
             "done": outcomes.count("done"), "dropped": outcomes.count("dropped"),
@@ -118,8 +134,10 @@ async def soak(args, prompts: list[list[dict]]) -> dict:
             "rss_idle_after_gb": rss_bytes(args.pid) / 1e9,
             "rss_peak_gb": max((g for _, g in samples), default=0.0),
             "rss_slope_second_half_mb_per_min": slope,
+            "rss_less_prefix_cache_slope_second_half_mb_per_min": mb_per_min(net),
+            "prefix_cache_after_gb": metric(text, "forerun_prefix_cache_bytes") / 1e9,
             "kv_in_use_after_gb": metric(text, "forerun_kv_cache_bytes_in_use") / 1e9,
-            "kv_peak_gb": max((g for _, g, _ in kv), default=0.0),
+            "kv_peak_gb": max((g for _, g, _, _ in kv), default=0.0),
             "rss": samples, "kv": kv}
 
 
@@ -131,8 +149,10 @@ def plot(report: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.plot([t / 60 for t, _ in report["rss"]], [g for _, g in report["rss"]], label="RSS")
-    ax.plot([t / 60 for t, _, _ in report["kv"]], [g for _, g, _ in report["kv"]],
+    ax.plot([t / 60 for t, _, _, _ in report["kv"]], [g for _, g, _, _ in report["kv"]],
             label="KV in use")
+    ax.plot([t / 60 for t, _, _, _ in report["kv"]], [p for _, _, _, p in report["kv"]],
+            label="prefix cache")
     ax.set_xlabel("minutes")
     ax.set_ylabel("GB")
     ax.grid(alpha=0.3)
