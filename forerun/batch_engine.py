@@ -21,7 +21,8 @@ length policy, generator, sampling, limits), and `step`, the phases of one pass 
                batched with)
   5. commit    each member's cache keeps its accepted path; its drafter forgets the rest (a
                shadow member keeps its first token alone: what was accepted is only counted);
-               a drafter that learns from the target's rows is shown their argmaxes
+               a drafter that learns from the target's rows is shown their argmaxes (or,
+               learning online, their logits)
   6. adapt     each member's policy sees what was accepted
   7. emit      stop tokens, token budgets and context room, as the one-sequence loop (the
                grammar consumes what is emitted; logprobs from the raw rows where asked, and
@@ -194,6 +195,8 @@ def step(runtime: BatchRuntime, live: list[Sequence], lengths: BatchCostPolicy |
             s.proposer.commit(len(s.tokens) - 1)
             if s.proposer.needs.observe:  # the target's choice at each of its rows
                 s.proposer.observe(d, best[spans[j].start:spans[j].stop], verdict.path)
+            if s.proposer.needs.teach:  # the target's rows, for a drafter learning online
+                s.proposer.teach(d, logits[spans[j].start:spans[j].stop], verdict.path)
             if s.proposer.needs.hidden_layers:  # a chain's kept rows are a prefix: a view
                 at = (slice(rows.start, rows.start + len(kept)) if tree.is_chain
                       else torch.tensor(kept) + rows.start)  # [n] rows of the packed pass

@@ -30,6 +30,7 @@ from forerun.serve.limits import (
     MAX_TOKENS_LIMIT,
     SPEC_POLICIES,
 )
+from forerun.train.online import OnlineConfig
 
 API_KEY_ENV = "FORERUN_API_KEY"
 SHUTDOWN_GRACE_S = 10  # on Ctrl-C / SIGTERM, open streams get this long to finish
@@ -107,6 +108,32 @@ def add_parser(sub) -> None:
     g.add_argument("--spec-off-above", type=int, default=None, metavar="N",
                    help="with more than N requests in flight, no drafting: plain decoding steps; "
                         "unset = never")
+    g = s.add_argument_group("online distillation (a Medusa head learning from the traffic)")
+    g.add_argument("--online-distill", action="store_true",
+                   help="with --method medusa: the verify passes hand the positions the head "
+                        "got wrong to a background trainer, whose updated head is swapped in "
+                        "between passes (the output never changes; acceptance does: "
+                        "/metrics). Without --heads a new head learns from zero. The head "
+                        "drafts in float32")
+    g.add_argument("--online-distill-dir", default=None, metavar="DIR",
+                   help="checkpoints of the trained head (a --heads directory); a restart "
+                        "with the same DIR starts from the last one")
+    g.add_argument("--online-distill-every", type=int, default=OnlineConfig.every, metavar="N",
+                   help="an update of the head every N new wrong positions")
+    g.add_argument("--online-distill-steps", type=int, default=OnlineConfig.steps,
+                   help="AdamW steps an update")
+    g.add_argument("--online-distill-lr", type=float, default=OnlineConfig.lr)
+    g.add_argument("--online-distill-buffer", type=int, default=OnlineConfig.buffer,
+                   metavar="N", help="positions the trainer keeps (the oldest go first)")
+    g.add_argument("--online-distill-threads", type=int, default=OnlineConfig.threads,
+                   help="the trainer's compute threads")
+    g.add_argument("--online-distill-share", type=float, default=OnlineConfig.share,
+                   metavar="F", help="the most of its time the trainer computes (it sleeps "
+                        "the rest): bounds what it takes from serving")
+    g.add_argument("--online-distill-heads", type=int, default=4, metavar="N",
+                   help="a new head's number of Medusa heads (tokens a draft holds)")
+    g.add_argument("--online-distill-vocab", type=int, default=16384, metavar="N",
+                   help="a new head's reduced vocabulary (most frequent ids; 0 = all)")
     add_model_args(s)
     add_spec_args(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning",
@@ -140,14 +167,25 @@ def run(args) -> int:
                 else default_kv_bytes())
     prefix_bytes = (kv_bytes // 4 if args.prefix_cache_gb is None
                     else int(args.prefix_cache_gb * 2**30))
+    online = online_config(args)
     engine = load_engine(args, err)
+    distiller = None
+    if online is not None:
+        from forerun.models.load import open_model, target_io
+        from forerun.train.online import serving_distiller
+
+        distiller = serving_distiller(
+            engine, online, target_io(open_model(args.target), engine.target),
+            Path(str(args.target)).name.removesuffix(".gguf"), args.online_distill_heads,
+            args.online_distill_vocab)
     with err.status("starting the worker"):
         worker = Worker(engine, slots=args.max_concurrent, max_queue=args.max_queue,
                         kv_cache_bytes=kv_bytes, max_batch_tokens=args.max_batch_tokens,
                         spec_policy=args.spec_policy, prefix_cache_bytes=prefix_bytes,
                         lazy_kv=args.kv_reserve == "grow",
                         shedding=LoadShedding(args.spec_reduce_above, args.spec_off_above),
-                        on_fatal=lambda: setattr(server, "should_exit", True))
+                        on_fatal=lambda: setattr(server, "should_exit", True),
+                        distiller=distiller)
     with err.status("recording the decode passes (CUDA graphs)"):
         started = time.perf_counter()
         recorded = worker.warm_up()
@@ -179,6 +217,22 @@ def run(args) -> int:
         err.print(f"[red]the worker crashed {worker.restarts} times; exiting[/]")
         return 1
     return 0
+
+
+def online_config(args) -> OnlineConfig | None:
+    """--online-distill's settings (None without it); its head drafts in float32."""
+    if not args.online_distill:
+        return None
+    if args.method != "medusa":
+        raise ValueError(f"--online-distill trains a Medusa head: use --method medusa, not "
+                         f"{args.method}")
+    if args.head_precision not in ("auto", "float32"):
+        raise ValueError("--online-distill drafts with float32 heads; drop --head-precision")
+    args.head_precision = "float32"
+    return OnlineConfig(args.online_distill_every, args.online_distill_steps,
+                        lr=args.online_distill_lr, buffer=args.online_distill_buffer,
+                        threads=args.online_distill_threads, share=args.online_distill_share,
+                        directory=args.online_distill_dir)
 
 
 def default_kv_bytes() -> int:

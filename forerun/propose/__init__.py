@@ -31,7 +31,12 @@ from forerun.propose.magicdec import (
     magicdec_proposer,
 )
 from forerun.propose.magicdec import DEFAULT_WINDOW as MAGICDEC_WINDOW
-from forerun.propose.medusa import HydraProposer, MedusaProposer, shared_heads
+from forerun.propose.medusa import (
+    ONLINE_TEACHER,
+    HydraProposer,
+    MedusaProposer,
+    shared_heads,
+)
 from forerun.propose.multi import DEFAULT_METHODS, MultiConfig, MultiProposer
 from forerun.propose.ngram import LookupBranch, NgramProposer
 from forerun.propose.suffix import (
@@ -207,7 +212,8 @@ def _head_args(spec: SpecConfig, ctx: ProposerContext) -> HeadArgs:
 
 def _medusa(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     args = _head_args(spec, ctx)
-    return MedusaProposer(*args, group=shared_heads(ctx.batch, ctx.heads))
+    teacher = None if ctx.shared is None else ctx.shared.get(ONLINE_TEACHER)  # online distill
+    return MedusaProposer(*args, group=shared_heads(ctx.batch, ctx.heads), teacher=teacher)
 
 
 def _hydra(spec: SpecConfig, ctx: ProposerContext) -> Proposer:

@@ -64,6 +64,8 @@ class Needs:
     # sequence leaves the engine (the suffix method's index of earlier outputs)
     observe: bool = False  # is shown the target's argmax at every row of its verified draft
     # through `observe` (Lookahead's Jacobi window learns from the rows it added)
+    teach: bool = False  # is shown the target's raw logits at every row of its verified
+    # draft through `teach` (online distillation: `forerun.train.online`)
     tree_verifier: str = "rrs"  # how its sampled trees are verified: a key of
     # forerun.verify_spectr.TREE_VERIFIERS ("spectr": siblings are i.i.d. draws from one q)
 
@@ -174,6 +176,16 @@ class ObservingProposer(Proposer, Protocol):
         it returned): the target's argmax at each of its rows, best[0] after the pending token
         and best[i + 1] after node i (under the sequence's processors and grammar), and the
         accepted nodes `path`."""
+        ...
+
+
+class TeachingProposer(Proposer, Protocol):
+    """A proposer that learns from the target's distributions on its draft (`needs.teach`)."""
+
+    def teach(self, draft: Draft, logits: torch.Tensor, path: list[int]) -> None:
+        """After a verify pass of `draft`: the target's raw logits at its rows [1 + nodes, V]
+        (row 0 after the pending token, row i + 1 after node i) and the accepted nodes
+        `path`."""
         ...
 
 

@@ -13,13 +13,18 @@ step); each member then grows its own tree from its row (its lookup branch, budg
 calibration), as it would alone. A proposer alone computes the same over a batch of one, so
 its drafts are a batch member's, up to the rounding of a batched matmul (which never changes
 the output: the target verifies every token).
+Online distillation (`forerun.train.online`): where the engine's shared stores hold a teacher
+(ONLINE_TEACHER), each Medusa proposer hands it, after every verify, the position its draft
+got wrong (`teach`): the feature its heads drafted from, the first head not accepted, and the
+target's logits at that row.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import replace
 from time import perf_counter
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -30,6 +35,15 @@ from forerun.propose.ngram import LookupBranch
 from forerun.tree import Candidate
 
 SHARED_HEADS = "shared heads"  # ProposerContext.batch: a batch's SharedHeads, by its heads
+ONLINE_TEACHER = "online teacher"  # ProposerContext.shared: what learns from wrong positions
+
+
+class Teacher(Protocol):
+    """Where a Medusa proposer's wrong positions go (`forerun.train.online.DistillBuffer`)."""
+
+    def push(self, feature: torch.Tensor, head: int, logits: torch.Tensor) -> None:
+        """f_t [D], the head index that was wrong, the target's logits at that row [V]."""
+        ...
 
 
 class SharedHeads:
@@ -111,7 +125,24 @@ class _LastFeatureProposer(HeadProposer):
 
 class MedusaProposer(_LastFeatureProposer):
     """Medusa-1: every head reads f_t alone, so one pass gives every level's log-probabilities;
-    the tree grows from them without running a head again."""
+    the tree grows from them without running a head again. With a `teacher` (online
+    distillation) it is shown the target's rows after each verify (`Needs.teach`)."""
+
+    def __init__(self, *args, teacher: Teacher | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.teacher = teacher
+        if teacher is not None:
+            self.needs = replace(self.needs, teach=True)
+
+    def teach(self, draft: Draft, logits: torch.Tensor, path: list[int]) -> None:
+        """After a verify of `draft` from the last fed feature f_t: the target's raw logits at
+        its rows [1 + nodes, V] (row 0 after the pending token, row j + 1 after node j) and the
+        accepted nodes `path`. The row after the accepted path is the target's distribution
+        over x_{t+2+i}, i = len(path): head i's, which drafted a rejected token there or none."""
+        if self.last is None:
+            return
+        row = path[-1] + 1 if path else 0
+        self.teacher.push(self.last[0], len(path), logits[row])
 
     def roots(self, last: torch.Tensor, pending: list[int]) -> list[Root]:
         heads = self.heads

@@ -9,6 +9,7 @@ middleware, read by `GET /metrics`; prometheus_client's metrics are thread-safe.
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,6 +28,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 SPEC_MODES = ("full", "reduced", "off")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 DRAFT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+RECENT_STEPS = 256  # verify steps behind forerun_acceptance_rate_recent
 
 disable_created_metrics()  # no `*_created` timestamp series beside every counter
 
@@ -58,6 +60,9 @@ class ServerMetrics:
                                    registry=r)
         Gauge("forerun_acceptance_rate", "accepted / drafted draft tokens, since start",
               registry=r).set_function(self._acceptance_rate)
+        Gauge("forerun_acceptance_rate_recent", f"accepted / drafted draft tokens over the "
+              f"last {RECENT_STEPS} verify steps that drafted (acceptance over time)",
+              registry=r).set_function(self._recent_acceptance)
         Gauge("forerun_mean_accepted_length", "mean over verify steps of accepted + 1 "
               "(includes the bonus/recovered token), since start",
               registry=r).set_function(self._mean_accepted_length)
@@ -97,6 +102,7 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._totals = [0, 0, 0]  # drafted, accepted, verify steps
         self._at: dict[int, list[int]] = {}  # position -> [drafted, accepted]
+        self._recent: deque[tuple[int, int]] = deque(maxlen=RECENT_STEPS)  # (drafted, accepted)
 
     def observe_step(self, drafted: int, accepted: int, tokens: int, prefill: bool,
                      shadow: bool = False) -> None:
@@ -113,6 +119,8 @@ class ServerMetrics:
             totals[0] += drafted
             totals[1] += accepted
             totals[2] += 1
+            if drafted:
+                self._recent.append((drafted, accepted))
             for i in range(drafted):
                 at = self._at.setdefault(i, [0, 0])
                 at[0] += 1
@@ -148,6 +156,25 @@ class ServerMetrics:
         Gauge("forerun_prefix_cache_bytes", "KV bytes the prefix cache holds",
               registry=r).set_function(lambda: cache.bytes if cache else 0)
 
+    def watch_online(self, distiller) -> None:
+        """Gauges read off the online distiller (`forerun.train.online.OnlineDistiller`)."""
+        r = self.registry
+        for name, text, read in (
+                ("head_version", "the version of the Medusa head drafting now (0 = as loaded; "
+                 "one more per update swapped in)", lambda: distiller.live_version),
+                ("updates", "trainer updates run since start", lambda: distiller.updates),
+                ("positions", "wrong positions handed to the trainer since start",
+                 lambda: distiller.buffer.added),
+                ("buffer_positions", "positions the trainer's ring holds now",
+                 lambda: len(distiller.buffer)),
+                ("train_seconds", "the trainer's compute time since start",
+                 lambda: distiller.train_seconds),
+                ("loss", "the last training step's loss (cross-entropy to the target)",
+                 lambda: distiller.last_loss),
+                ("memory_bytes", "what the trainer holds (ring, its copy of the head, AdamW's "
+                 "moments, a snapshot waiting)", lambda: distiller.nbytes)):
+            Gauge(f"forerun_online_distill_{name}", text, registry=r).set_function(read)
+
     def set_mode(self, mode: str) -> None:
         self.mode.state(mode)
 
@@ -160,6 +187,12 @@ class ServerMetrics:
         with self._lock:
             _, accepted, steps = self._totals
         return (accepted + steps) / steps if steps else 0.0
+
+    def _recent_acceptance(self) -> float:
+        with self._lock:
+            drafted = sum(d for d, _ in self._recent)
+            accepted = sum(a for _, a in self._recent)
+        return accepted / drafted if drafted else 0.0
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -37,6 +37,11 @@ goes to the log) and the batch goes on. A target pass that raises fails the requ
 jobs and restarts the loop; after MAX_RESTARTS such crashes the worker stops for good and
 calls `on_fatal` (the serve command then exits non-zero, for a supervisor).
 
+Online distillation (`forerun.train.online`, --online-distill). With a `distiller`, every
+request's Medusa drafter hands it the positions it got wrong, its trainer thread updates a copy
+of the head in the background, and the worker swaps the newest trained weights into the live
+head between passes, never during one: the output is the target's whatever the head drafts.
+
 Calibration. The batch cost policy prices a pass from a curve of pass times measured at first
 use, and a request's own cost policy or an automatic tree from the one-sequence curve;
 `calibrate` measures them before serving, so that no pass stalls every request to time them.
@@ -51,6 +56,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from forerun.api import DEFAULT_KV_BUDGET_BYTES, Engine
 from forerun.batch_engine import Sequence
@@ -65,6 +71,9 @@ from forerun.sampling import SamplingConfig
 from forerun.serve.limits import MAX_ERROR_CHARS, MAX_K, MAX_RESTARTS, SPEC_POLICIES
 from forerun.serve.metrics import ServerMetrics
 from forerun.stopping import TextOut
+
+if TYPE_CHECKING:
+    from forerun.train.online import OnlineDistiller
 
 log = logging.getLogger("forerun.serve")
 CRASHED = "the server hit an internal error and dropped this request (see its log); retry"
@@ -196,7 +205,8 @@ class Worker:
                  max_batch_tokens: int | None = None, spec_policy: str = "adaptive",
                  prefix_cache_bytes: int = 0, lazy_kv: bool = True,
                  shedding: LoadShedding | None = None, metrics: ServerMetrics | None = None,
-                 on_fatal: Callable[[], None] | None = None):
+                 on_fatal: Callable[[], None] | None = None,
+                 distiller: OnlineDistiller | None = None):
         if slots < 1 or max_queue < 0:
             raise ValueError(f"need slots >= 1 and max_queue >= 0, got {slots} and {max_queue}")
         if spec_policy not in SPEC_POLICIES:
@@ -225,6 +235,10 @@ class Worker:
         self.metrics.watch_prefix_cache(self.session.prefix)
         self.metrics.watch_kv(self.session.kv_bytes)
         self.metrics.set_mode(self.mode)
+        self.distiller = distiller  # online distillation of the Medusa head (None: off)
+        if distiller is not None:
+            distiller.attach(engine.proposers.shared)
+            self.metrics.watch_online(distiller)
         self._thread = threading.Thread(target=self._loop, name="forerun-worker", daemon=True)
 
     # --- called from other threads ---------------------------------------------------------------
@@ -249,12 +263,16 @@ class Worker:
 
     def start(self) -> None:
         self._thread.start()
+        if self.distiller is not None:
+            self.distiller.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout)
+        if self.distiller is not None:
+            self.distiller.stop(timeout)
 
     @property
     def alive(self) -> bool:
@@ -357,6 +375,8 @@ class Worker:
         """One target pass over the batch; every request gets its new text."""
         for run in self._runs.values():
             run.seq.k_limit = k_cap(self.mode, run.spec.k)
+        if self.distiller is not None:  # between passes: the newest trained head drafts
+            self.distiller.swap()
         try:
             results = self.session.step()
         except Exception as e:  # the pass itself (a runtime failure): fail the requests in it
