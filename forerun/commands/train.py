@@ -1,7 +1,9 @@
-"""`forerun train {medusa,hydra,eagle,eagle3}`: the command's flags, where data and heads go.
+"""`forerun train {medusa,hydra,eagle,eagle3,draft}`: the command's flags, where data and heads
+(or the distilled draft model) go.
 
 Owns: parsing and checking the training options, naming the data and output folders, and the
-report it prints; collecting and training are `forerun.train`.
+report it prints; collecting and training are `forerun.train` (a draft model:
+`forerun.train.draft`, saved by `forerun.train.export`).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from forerun.api import Engine
+from forerun.bench.workloads import read_workload
 from forerun.commands.options import add_model_args, load_config
 from forerun.models.catalog import ModelError, forerun_home
-from forerun.models.load import open_model, resolve_dtype, target_io
+from forerun.models.load import load_transformer, open_model, resolve_dtype, target_io
 from forerun.propose import SpecConfig
+from forerun.propose.early_exit import adapter_file, default_layer, save_adapter
 from forerun.train import (
     CHAT_PROMPTS,
     TrainConfig,
@@ -32,17 +36,30 @@ from forerun.train import (
 from forerun.train import (
     run as train_run,
 )
+from forerun.train.draft import DIVERGENCES, distil, examples
+from forerun.train.early_exit import feature_layer
+from forerun.train.early_exit import run as train_early_exit
+from forerun.train.export import GGUF_DTYPES, save_gguf, save_hf
 
 
 def add_parser(sub) -> None:
     t = sub.add_parser(
-        "train", help="train Medusa/Hydra/EAGLE heads on the target's own outputs",
+        "train", help="train Medusa/Hydra/EAGLE heads on the target's own outputs, or "
+        "distil a draft model toward the target",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Distil drafting heads from the target: collect its features and "
         "next-token distributions on its own chat replies and on the Python standard library's "
         "sources (resumable shards), train against them, and write head.safetensors + "
-        "head_config.json (use them with --heads DIR --method KIND).")
-    t.add_argument("kind", choices=["medusa", "hydra", "eagle", "eagle3"])
+        "head_config.json (use them with --heads DIR --method KIND). `forerun train draft` "
+        "distils the --draft model toward the target instead (GKD: the target's distribution "
+        "on the draft's own samples and on the target's replies or your text), LoRA or full, "
+        "and writes a Hugging Face folder and a GGUF file that --draft loads.")
+    t.add_argument("kind", choices=["medusa", "hydra", "eagle", "eagle3", "draft",
+                                    "early-exit"])
+    t.add_argument("--layer", type=int, default=None, metavar="E",
+                   help="early-exit: the exit layer whose adapter is trained (default: the "
+                        "method's, a quarter of the layers); saved beside the model, where "
+                        "--method early-exit --exit-layer E finds it")
     t.add_argument("--max-tokens", type=int, default=TrainConfig.max_tokens,
                    help="data budget: target tokens to collect")
     t.add_argument("--seq-len", type=int, default=TrainConfig.seq_len, help="window length")
@@ -98,14 +115,38 @@ def add_parser(sub) -> None:
                    help="precision of the training matmuls (autocast; weights and optimizer stay "
                         "float32); auto = bfloat16 where the CPU has fast bf16 matmuls")
     t.add_argument("--json", action="store_true", help="print only the JSON report")
+    d = t.add_argument_group("draft (forerun train draft)")
+    d.add_argument("--student-mix", type=float, default=TrainConfig.student_mix, metavar="F",
+                   help="share of steps trained on the draft's own samples (on-policy GKD); "
+                        "the rest on the target's replies (--questions, --chat) or your "
+                        "text's own continuation (--text)")
+    d.add_argument("--divergence", choices=DIVERGENCES, default=TrainConfig.divergence,
+                   help="fkl: KL(target || draft); rkl: KL(draft || target); tvd: total "
+                        "variation, one minus the sampled draft token's acceptance")
+    d.add_argument("--temperature", type=float, default=TrainConfig.temperature,
+                   help="the draft's sampling temperature on its on-policy steps")
+    d.add_argument("--lora-rank", type=int, default=TrainConfig.lora_rank,
+                   help="LoRA adapters (through peft: pip install 'forerun[train]') on every "
+                        "block's linears, merged into the saved weights; 0 = full fine-tune")
+    d.add_argument("--lora-alpha", type=float, default=TrainConfig.lora_alpha)
+    d.add_argument("--held-out", default=None, metavar="JSONL",
+                   help="prompts for the before/after acceptance, answered by the target (any "
+                        "`forerun bench --workload` shape; the bench's own sets are fine here: "
+                        "nothing is trained on them); default: every tenth training example")
+    d.add_argument("--held-out-count", type=int, default=32, metavar="N",
+                   help="--held-out's rows used, evenly spaced")
+    d.add_argument("--gguf-dtype", choices=GGUF_DTYPES, default="f16",
+                   help="the GGUF file's matrices")
     add_model_args(t)
     t.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.kind == "draft":
+        return run_draft(args)
     load = load_config(args)
-    if load.runtime != "torch" and args.kind == "eagle3":
-        raise ModelError(f"eagle3 heads read middle layers, which only the torch runtime "
+    if load.runtime != "torch" and args.kind in ("eagle3", "early-exit"):
+        raise ModelError(f"{args.kind} reads middle layers, which only the torch runtime "
                          f"exposes; drop --runtime {load.runtime}")
     if not 0 <= args.chat <= len(chat_prompts()):
         raise ValueError(f"--chat must be 0..{len(chat_prompts())}")
@@ -132,13 +173,18 @@ def run(args) -> int:
         raise ValueError("need --max-tokens >= --seq-len, --steps >= 1, --epochs >= 0, "
                          "--self-chat >= 0 and --self-tasks >= 0")
     name = Path(str(args.target)).name.removesuffix(".gguf")
-    layers = head_layers(args.kind, engine.target.config.n_layers)
+    n_layers = engine.target.config.n_layers
+    exit_layer = args.layer if args.layer is not None else default_layer(n_layers)
+    layers = ((feature_layer(exit_layer),) if args.kind == "early-exit" else
+              head_layers(args.kind, n_layers))
     # features come from the runtime the heads will draft on (its numerics: llama.cpp's final
     # hidden state is ~5% off torch bf16's here); the manifest says which
     features = load.dtype if load.runtime == "torch" else load.runtime
     record = manifest(name, features, layers, cfg)
     data = Path(args.data) if args.data else forerun_home() / "train-data" / collection_key(record)
     siblings = sibling_collections(data, record)
+    if args.kind == "early-exit":
+        return run_early_exit(args, engine, exit_layer, cfg, data, replier, record)
     # heads trained on another runtime's features land beside, not over, the torch ones
     suffix = "" if load.runtime == "torch" else "-" + load.runtime.replace(".", "")
     out = Path(args.out) if args.out else forerun_home() / "heads" / name / (args.kind + suffix)
@@ -156,5 +202,80 @@ def run(args) -> int:
               file=sys.stderr)
         print(f"held-out top-1 per head/step: {after['top1']}  top-5: {after['top5']}  "
               f"(before: {report['before']['top1']})", file=sys.stderr)
+    print(json.dumps(report))
+    return 0
+
+
+def run_early_exit(args, engine, layer: int, cfg, data: Path, replier, record) -> int:
+    """`forerun train early-exit`: the exit adapter at `layer`, saved beside the model (or in
+    --out/adapter.safetensors)."""
+    source = engine.target.source
+    if args.out is None and source is None:
+        raise ValueError("early-exit: the target has no weights file to keep the adapter "
+                         "beside; give --out DIR")
+    adapter, report = train_early_exit(engine, layer, cfg, data, replier, record)
+    out = (Path(args.out) / "adapter.safetensors" if args.out else adapter_file(source, layer))
+    report["out"] = str(save_adapter(out, adapter, layer, report))
+    if not args.json:
+        print(f"wrote {out}: held-out top-1 {report['before']} -> {report['after']} "
+              f"({report['train_s']} s training)", file=sys.stderr)
+    print(json.dumps(report))
+    return 0
+
+
+def run_draft(args) -> int:
+    """`forerun train draft`: the --draft model distilled toward --target, saved as a Hugging
+    Face folder and OUT/draft.gguf."""
+    load = replace(load_config(args), heads=None)
+    text = tuple(str(Path(t).expanduser().resolve()) for t in args.text)
+    questions = tuple(str(Path(q).expanduser().resolve()) for q in args.questions)
+    cfg = TrainConfig("draft", args.max_tokens, args.seq_len, args.chat, args.chat_tokens,
+                      steps=args.steps, lr=args.lr, text=text, epochs=args.epochs,
+                      questions=questions, student_mix=args.student_mix,
+                      divergence=args.divergence, temperature=args.temperature,
+                      lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                      bf16=resolve_dtype(args.train_dtype, "cpu") == "bfloat16")
+    if not 0 < cfg.chat_tokens < cfg.seq_len or cfg.steps < 1 or cfg.epochs < 0:
+        raise ValueError("need 0 < --chat-tokens < --seq-len, --steps >= 1 and --epochs >= 0")
+    if not 0 <= cfg.chat <= len(chat_prompts()) or args.held_out_count < 1:
+        raise ValueError(f"need --chat in 0..{len(chat_prompts())} and --held-out-count >= 1")
+    text_files(text)  # wrong paths fail here, before any model is loaded
+    user_questions(questions)
+    held: tuple[str, ...] = ()
+    if args.held_out:
+        rows = [p.text for p in read_workload(args.held_out)]
+        held = tuple(rows[::-(-len(rows) // args.held_out_count)][:args.held_out_count])
+    target_src, draft_src = open_model(args.target), open_model(args.draft)
+    if target_src.tokenizer.vocab != draft_src.tokenizer.vocab:
+        raise ModelError(f"{args.draft} and {args.target} have different vocabularies; "
+                         "distillation compares their distributions token by token")
+    engine = Engine(args.target, None, spec=SpecConfig("none"), load=load)
+    replies = args.replies
+    if replies == "auto":
+        gguf = target_src.kind == "gguf"
+        replies = "llama.cpp" if gguf and importlib.util.find_spec("llama_cpp") else "torch"
+    replier = engine if replies == load.runtime else Engine(
+        args.target, None, spec=SpecConfig("none"), load=replace(load, runtime=replies))
+    name = Path(str(args.draft)).name.removesuffix(".gguf")
+    target_name = Path(str(args.target)).name.removesuffix(".gguf")
+    out = (Path(args.out) if args.out
+           else forerun_home() / "drafts" / f"{name}-distilled-{target_name}")
+    out.mkdir(parents=True, exist_ok=True)
+    train_set, held_set = examples(replier, cfg, out, held, progress=not args.json)
+    student = load_transformer(draft_src, "float64" if args.draft_dtype == "float64"
+                               else "float32")
+    model, report = distil(student, engine.target, train_set, held_set, cfg, out,
+                           engine.tokenizer.stop_ids, progress=not args.json)
+    save_hf(model, draft_src, out)
+    save_gguf(model, draft_src, out / "draft.gguf", args.gguf_dtype)
+    report |= {"out": str(out), "gguf": str(out / "draft.gguf")}
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    if not args.json:
+        before, after = report["before"], report["after"]
+        print(f"wrote {out} (Hugging Face folder) and {out / 'draft.gguf'}; use either with "
+              f"--draft", file=sys.stderr)
+        print(f"held-out acceptance (sampled, sum min(p, q)): {before['accept']} -> "
+              f"{after['accept']}; greedy agreement {before['greedy']} -> {after['greedy']}; "
+              f"KL {before['kl']} -> {after['kl']}", file=sys.stderr)
     print(json.dumps(report))
     return 0

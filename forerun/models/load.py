@@ -79,18 +79,28 @@ class ModelSource:
         return RUNTIMES[runtime](self, dtype, device, context)
 
 
-def _load_torch(src: ModelSource, dtype: str, device: str, context: int) -> TorchRuntime:
-    """Weights dequantized to `dtype` into our own Transformer."""
+def load_transformer(src: ModelSource, dtype: str = "float32", device: str = "cpu"
+                     ) -> Transformer:
+    """Weights dequantized to `dtype` into our own Transformer, its linears plain nn.Linear
+    (what `forerun train draft` trains; the torch runtime prepacks them)."""
     dtype = resolve_dtype(dtype, device)
     if dtype not in DTYPES:
         raise ModelError(f"unknown dtype {dtype!r}; choose auto or {', '.join(DTYPES)}")
+    if src.config is None:
+        raise ModelError(f"{src.path}: architecture not supported by the torch runtime "
+                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
     torch_dtype = DTYPES[dtype]
     weights = (_gguf_weights if src.kind == "gguf" else _hf_weights)(src, torch_dtype)
     with torch.device("meta"):
         model = Transformer(src.config)
     model = model.to_empty(device=device).to(torch_dtype)
     model.load_canonical({k: v.to(device) for k, v in weights.items()})
-    return TorchRuntime(model.eval(), capacity=context, source=src.path)
+    return model.eval()
+
+
+def _load_torch(src: ModelSource, dtype: str, device: str, context: int) -> TorchRuntime:
+    """Weights dequantized to `dtype` into our own Transformer."""
+    return TorchRuntime(load_transformer(src, dtype, device), capacity=context, source=src.path)
 
 
 def _load_llama_cpp(src: ModelSource, dtype: str, device: str, context: int) -> Runtime:

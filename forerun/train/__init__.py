@@ -1,4 +1,5 @@
-"""`forerun train {medusa,hydra,eagle,eagle3}`: heads distilled from the target itself.
+"""`forerun train {medusa,hydra,eagle,eagle3}`: heads distilled from the target itself (and
+`forerun train draft`: a draft model distilled toward it, in `draft`).
 
 The features come from the runtime the heads will draft on: torch, or llama.cpp (final layer
 only, so not for EAGLE-3), whose numerics differ from torch's by a few percent. Data:
@@ -16,8 +17,10 @@ target's argmax on held-out windows.
 
 Modules, each importing only those before it: `config` (TrainConfig), `corpus` (questions and
 texts), `collection` (the target answers and is teacher-forced; shards and their manifest),
-`losses` (predictions, loss, agreement), `loop` (vocabulary, initialisation, training, `run`).
-This file only re-exports their public names.
+`losses` (predictions, loss, agreement), `loop` (vocabulary, initialisation, training, `run`),
+then `draft` (`forerun train draft`: the draft model distilled toward the target, GKD, on `loop`'s
+`fit`) and `export` (that model saved as a Hugging Face folder and a GGUF file). This file only
+re-exports the heads' public names.
 """
 
 from forerun.train.collection import (

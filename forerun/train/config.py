@@ -1,4 +1,5 @@
-"""`TrainConfig`: what `forerun train` collects and how it trains, in one frozen record.
+"""`TrainConfig`: what `forerun train` collects and how it trains, in one frozen record (the
+heads' settings, and the draft model's under kind "draft").
 
 Owns: the settings and their defaults (the command's too), and `total_steps`. Every module of
 `forerun.train` reads it; it imports nothing of theirs.
@@ -29,6 +30,12 @@ class TrainConfig:
     epochs: float = 0.0  # > 0: this many passes over the training windows, in place of steps
     self_tasks: int = 0  # questions on passages the target writes itself, after self_chat's
     questions: tuple[str, ...] = ()  # JSONL files of the user's own prompts, answered last
+    # kind "draft" (forerun.train.draft): GKD toward the target
+    student_mix: float = 0.5  # share of steps whose continuation the student samples itself
+    divergence: str = "fkl"  # fkl, rkl or tvd between the target's p and the student's q
+    temperature: float = 1.0  # the student's sampling temperature on its on-policy steps
+    lora_rank: int = 16  # LoRA adapters through peft; 0 = every weight trained
+    lora_alpha: float = 32.0
 
     def total_steps(self, windows: int) -> int:
         """Training steps (one window each): `steps`, or `epochs` passes over `windows`."""

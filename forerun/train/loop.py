@@ -2,7 +2,8 @@
 
 Owns: the heads' reduced vocabulary (`corpus_vocab`), their initialisation (`new_heads`, the
 target layers each kind reads: `head_layers`), AdamW on a cosine schedule with resumable
-checkpoints (`train`), and `run`, the whole of `forerun train` below its flags. The data is
+checkpoints (`fit`, which `train` runs on the heads and `forerun.train.draft` on a
+draft model), and `run`, the whole of `forerun train` below its flags. The data is
 `collection`'s, the objective `losses`'.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -45,38 +47,37 @@ def load_shards(paths: list[Path]) -> list[dict[str, torch.Tensor]]:
     return [load_file(str(p)) for p in paths]
 
 
-def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path | None = None,
-          progress: bool = True) -> dict:
-    """AdamW with a cosine schedule over cfg.total_steps() windows; resumes from `checkpoint`."""
+CHECKPOINT_EVERY = 100  # steps between checkpoints (and at the last step)
+WARMUP_STEPS = 20  # the learning rate's linear warm-up
+
+
+def fit(module: torch.nn.Module, step_loss: Callable[[int], torch.Tensor], steps: int,
+        cfg: TrainConfig, checkpoint: Path | None = None, desc: str = "train",
+        progress: bool = True) -> float:
+    """AdamW on `module`'s trainable parameters, warm-up then a cosine schedule over `steps`;
+    step s minimises `step_loss(s)` (the caller makes step s's data depend on s alone, so a
+    resumed run sees what an unbroken one would). The trainable parameters, optimizer and
+    schedule go to `checkpoint` every CHECKPOINT_EVERY steps and at the last, and a run resumes
+    from it. -> seconds spent training in this call."""
     torch.manual_seed(cfg.seed)
-    # held_out = 0: agreement on the training windows themselves (a capacity check); else
-    # every (1/held_out)-th window, so held-out text mixes chat and code as training does
-    every = round(1 / cfg.held_out) if cfg.held_out > 0 and len(shards) > 1 else 0
-    held = [w for i, w in enumerate(shards) if every and i % every == every - 1] or shards
-    train_set = [w for i, w in enumerate(shards) if not every or i % every != every - 1] or shards
-    lookup = vocab_lookup(heads)
-    params = [p for p in heads.parameters() if p.requires_grad]
-    steps = cfg.total_steps(len(train_set))
+    named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    params = list(named.values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP_STEPS)
+                                              * 0.5 * (1 + math.cos(math.pi * s / steps)))
     step = 0
     if checkpoint is not None and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=True)  # tensors and numbers: no pickled code
-        heads.load_state_dict(state["heads"])
+        module.load_state_dict(state["trainable"], strict=False)
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         step = state["step"]
-    before = agreement(heads.eval(), held, cfg, lookup)
-    heads.train()
+    module.train()
     start = time.perf_counter()
-    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed))
-    bar = tqdm(total=steps, initial=step, desc=f"train {heads.cfg.kind}", unit="step",
-               disable=not progress)
+    bar = tqdm(total=steps, initial=step, desc=desc, unit="step", disable=not progress)
     while step < steps:
-        w = train_set[int(order[step % len(train_set)])]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            loss, _ = window_loss(heads, w, cfg, lookup)
+            loss = step_loss(step)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -85,12 +86,34 @@ def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path |
         step += 1
         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
         bar.update()
-        if checkpoint is not None and (step % 100 == 0 or step == steps):
-            torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(),
+        if checkpoint is not None and (step % CHECKPOINT_EVERY == 0 or step == steps):
+            trainable = {n: p.detach() for n, p in named.items()}
+            torch.save({"trainable": trainable, "opt": opt.state_dict(),
                         "sched": sched.state_dict(), "step": step}, checkpoint)
     bar.close()
+    module.eval()
+    return time.perf_counter() - start
+
+
+def train(heads: Heads, shards: list[dict], cfg: TrainConfig, checkpoint: Path | None = None,
+          progress: bool = True) -> dict:
+    """The heads, trained on `shards` by `fit`; resumes from `checkpoint`."""
+    # held_out = 0: agreement on the training windows themselves (a capacity check); else
+    # every (1/held_out)-th window, so held-out text mixes chat and code as training does
+    every = round(1 / cfg.held_out) if cfg.held_out > 0 and len(shards) > 1 else 0
+    held = [w for i, w in enumerate(shards) if every and i % every == every - 1] or shards
+    train_set = [w for i, w in enumerate(shards) if not every or i % every != every - 1] or shards
+    lookup = vocab_lookup(heads)
+    steps = cfg.total_steps(len(train_set))
+    before = agreement(heads.eval(), held, cfg, lookup)
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed))
+
+    def step_loss(step: int) -> torch.Tensor:
+        return window_loss(heads, train_set[int(order[step % len(train_set)])], cfg, lookup)[0]
+
+    seconds = fit(heads, step_loss, steps, cfg, checkpoint, f"train {heads.cfg.kind}", progress)
     after = agreement(heads.eval(), held, cfg, lookup)
-    return {"before": before, "after": after, "train_s": round(time.perf_counter() - start, 1),
+    return {"before": before, "after": after, "train_s": round(seconds, 1),
             "steps": steps, "windows": len(train_set), "held_out_windows": len(held)}
 
 
