@@ -112,6 +112,10 @@ def admit(runtime: BatchRuntime, seq: Sequence, reserve: int | None = None) -> N
     """Reserve the sequence's cache region, `reserve` slots (None: all it can ever need);
     PoolFull when it does not fit now. A preempted member keeps its drafter's state."""
     check_prompt(seq.prompt, runtime.capacity)
+    if seq.proposer is not None and seq.proposer.needs.resume and \
+            not runtime.capabilities.resume_rows:
+        raise ValueError(f"{seq.proposer.name} drafts in the target's own cache, which this "
+                         "runtime's passes cannot resume")
     seq.handle = runtime.add(min(reserve or seq.slots(), seq.slots(), runtime.capacity))
     if seq.grammar is not None and seq.proposer is not None and seq.proposer.needs.grammar:
         seq.proposer.constrain(seq.grammar)  # it drafts under the sequence's grammar
@@ -268,10 +272,12 @@ def _pack(live: list[Sequence], drafts: list[Draft | None], chunks: list[int]
         else:
             feeds.append(torch.cat([torch.tensor(s.tokens[-1:]), d.tokens]))  # [N_b+1]
             trees.append(TokenTree.of(d.parents, len(d.tokens)))
+    resume = tuple(None if d is None else d.resume for d in drafts)  # early exit's rows
     batch = PackedBatch.of(
         [(s.handle, f) for s, f in zip(live, feeds, strict=True)],
         positions=[None if t is None or t.is_chain else t.positions(0) for t in trees],
         tree_masks=[None if t is None or t.is_chain else t.mask() for t in trees])
+    batch = replace(batch, resume=resume if any(r is not None for r in resume) else None)
     wanted, spans, echoes = [], [], []
     for b, (s, d, n) in enumerate(zip(live, drafts, chunks, strict=True)):
         rows = batch.rows_of(b)

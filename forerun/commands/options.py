@@ -96,7 +96,8 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       lookahead_auto=not args.lookahead_fixed,
                       skip_layers=args.skip_layers,
                       magicdec_sinks=args.magicdec_sinks, magicdec_window=args.magicdec_window,
-                      magicdec_drafter=args.magicdec_drafter)
+                      magicdec_drafter=args.magicdec_drafter,
+                      exit_layer=args.exit_layer, exit_adapter=args.exit_adapter)
 
 
 def load_engine(args: argparse.Namespace, console: Console | None = None) -> Engine:
@@ -176,6 +177,14 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="--method magicdec: and the W most recent tokens; the drafter's KV "
                         "cache holds only these, so its cost does not grow with the context "
                         "(default: %(default)s)")
+    g.add_argument("--exit-layer", type=int, default=None, metavar="E",
+                   help="--method early-exit: the target's first E layers draft, writing the "
+                        "target's own cache, and verification runs the layers above E only "
+                        "for them (default: a quarter of the layers)")
+    g.add_argument("--exit-adapter", default=None, metavar="FILE|none",
+                   help="--method early-exit: the exit adapter (safetensors from `forerun "
+                        "train early-exit`), or none (the target's norm and LM head alone); "
+                        "default: the one trained for the target and E, else none")
     g.add_argument("--magicdec-drafter", default="draft", choices=list(MAGICDEC_DRAFTERS),
                    help="--method magicdec: draft = the draft model (--draft), self = the "
                         "target's own weights, each over a sparse cache of its own "

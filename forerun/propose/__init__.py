@@ -16,6 +16,7 @@ from forerun.propose.base import Draft, Needs, Proposer, ProposerContext
 from forerun.propose.draft_batch import SHARED_DRAFT
 from forerun.propose.draft_model import DraftModelProposer
 from forerun.propose.eagle import EagleProposer, shared_eagle
+from forerun.propose.early_exit import EarlyExitConfig, early_exit_proposer
 from forerun.propose.heads import AUTO_TREE, AUTO_TREE_MAX, HeadProposer, VerifyCurve
 from forerun.propose.layer_skip import LayerSkipConfig, layer_skip_proposer
 from forerun.propose.lookahead import (
@@ -79,6 +80,10 @@ class SpecConfig:
     magicdec_sinks: int = DEFAULT_SINKS  # magicdec: first tokens every draft query attends to
     magicdec_window: int = MAGICDEC_WINDOW  # magicdec: and the most recent ones
     magicdec_drafter: str = "draft"  # magicdec: "draft" (the draft model) or "self" (the target)
+    exit_layer: int | None = None  # early-exit: E, the target layers its draft runs (None =
+    # forerun.propose.early_exit.default_layer)
+    exit_adapter: str | None = None  # early-exit: the exit adapter's file, "none" (identity),
+    # or None (the one `forerun train early-exit` saved for the target and E, else identity)
 
     def __post_init__(self):
         if self.method != "none" and self.method not in PROPOSERS:
@@ -95,6 +100,7 @@ class SpecConfig:
         self.lookahead()  # and lookahead's
         self.layer_skip()  # and layer-skip's
         self.magicdec()  # and magicdec's
+        self.early_exit()  # and early-exit's
         if "lookahead" in self.multi().methods:
             raise ValueError("multi: lookahead cannot join (its draft carries its Jacobi "
                              "window, which a merged tree would break); use --method lookahead")
@@ -120,6 +126,10 @@ class SpecConfig:
     def layer_skip(self) -> LayerSkipConfig:
         """The layer-skip method's own options."""
         return LayerSkipConfig(self.skip_layers)
+
+    def early_exit(self) -> EarlyExitConfig:
+        """The early-exit method's own options."""
+        return EarlyExitConfig(self.exit_layer, self.exit_adapter)
 
     def multi(self) -> MultiConfig:
         """The multi method's own options."""
@@ -175,6 +185,10 @@ def _magicdec(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
 
 def _layer_skip(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     return layer_skip_proposer(spec.layer_skip(), ctx.target, ctx.capacity, ctx.stores)
+
+
+def _early_exit(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    return early_exit_proposer(spec.early_exit(), ctx)
 
 
 def _multi(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
@@ -245,6 +259,7 @@ PROPOSERS: dict[str, ProposerFactory] = {
     "lookahead": _lookahead,
     "layer-skip": _layer_skip,
     "magicdec": _magicdec,
+    "early-exit": _early_exit,
     "multi": _multi,
     "medusa": _medusa,
     "hydra": _hydra,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from forerun.runtime.base import Runtime
+from forerun.runtime.base import Resume, Runtime
 from forerun.sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -33,6 +33,9 @@ class Draft:
     tokens: torch.Tensor  # [K] int64; K may be 0 (nothing to propose: a plain decoding step)
     q: torch.Tensor | None = None  # [K, V] draft probabilities; None = deterministic drafter
     parents: torch.Tensor | None = None  # [K] parent per node (-1 = root): a tree; see tree.py
+    # the verify pass's first rows (pending token, nodes) whose lower layers the drafter
+    # computed in the target's own cache (early exit; its Needs.resume): they start there
+    resume: Resume | None = None
 
     @staticmethod
     def empty() -> Draft:
@@ -42,8 +45,11 @@ class Draft:
         """At most `room` nodes: the first ones, which (parents first) still form a tree."""
         if len(self.tokens) <= room:
             return self
+        resume = self.resume
+        if resume is not None and resume.rows > room + 1:  # the pending token + room nodes
+            resume = Resume(resume.layer, resume.hidden[:room + 1])
         return Draft(self.tokens[:room], None if self.q is None else self.q[:room],
-                     None if self.parents is None else self.parents[:room])
+                     None if self.parents is None else self.parents[:room], resume)
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,9 @@ class Needs:
     # through `observe` (Lookahead's Jacobi window learns from the rows it added)
     teach: bool = False  # is shown the target's raw logits at every row of its verified
     # draft through `teach` (online distillation: `forerun.train.online`)
+    resume: bool = False  # drafts with the target's own first layers in the target's own
+    # cache, its chains carrying `Draft.resume` (early exit): the runtime must resume rows
+    # (capabilities.resume_rows), the sequence decoded alone
     tree_verifier: str = "rrs"  # how its sampled trees are verified: a key of
     # forerun.verify_spectr.TREE_VERIFIERS ("spectr": siblings are i.i.d. draws from one q)
 

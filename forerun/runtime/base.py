@@ -55,6 +55,22 @@ class ForwardOutput:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """The first rows of a pass whose lower layers are already computed: the hidden states
+    entering layer `layer` of the pass's first m rows, whose keys and values at layers
+    0..layer-1 the cache already holds at those rows' slots (an early-exit draft wrote them, for
+    the same tokens at the same positions). The pass runs layers 0..layer-1 for its other rows
+    only, and layers layer.. for every row."""
+
+    layer: int  # E: the first layer the resumed rows run
+    hidden: torch.Tensor  # [m, D] the output of layer E-1 (block E-1) of rows 0..m-1
+
+    @property
+    def rows(self) -> int:
+        return self.hidden.shape[0]
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a runtime can do, declared once (never probed with getattr)."""
 
@@ -74,6 +90,10 @@ class Capabilities:
     # (regions that start at the prompt; preemption when memory runs out)
     skip_layers: bool = False  # without_layers(skip, capacity) builds a draft of this model
     # with some layers left out, over the same weights (layer-skip self-speculation)
+    resume_rows: bool = False  # forward(..., resume=Resume) starts a pass's first rows at a
+    # layer from given hidden states (early exit's KV reuse), and early_exit(layers, ...)
+    # builds the draft that computes them
+
 
     def exposes(self, layers: Collection[int]) -> bool:
         """Whether a forward can return the hidden states of these layers (-1 = final)."""
@@ -105,6 +125,8 @@ class Runtime(Protocol):
         last_only: bool = False,  # logits for the last token only (prefill)
         hidden_layers: tuple[int, ...] = (),  # layer outputs to return; -1 = final normed
         hidden_from: int = 0,  # ... of rows hidden_from.. only ([T - hidden_from, D])
+        # resume: Resume | None = None, only where capabilities.resume_rows (the torch runtime):
+        # its first rows start at a layer from given hidden states (early exit)
     ) -> ForwardOutput: ...
 
     def truncate(self, length: int) -> None:

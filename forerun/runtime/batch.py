@@ -36,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from forerun.runtime.base import Capabilities, ForwardOutput
+from forerun.runtime.base import Capabilities, ForwardOutput, Resume
 from forerun.runtime.batch_static import BatchStaticPasses
 from forerun.runtime.memory import lazy_zeros
 from forerun.runtime.torch_model import TorchRuntime, attend, attend_rows, rms_norm, rope_tables
@@ -60,6 +60,9 @@ class PackedBatch:
     positions: torch.Tensor | None = None  # [N] absolute positions; None = chains
     tree_masks: tuple[torch.Tensor | None, ...] | None = None  # [B] of [T_b, T_b] bool or None
     logit_rows: torch.Tensor | None = None  # [R] int64 rows of the N; None = all N
+    # [B] member b's first rows resumed at a layer (early exit's draft rows), or None; None =
+    # no member's (a runtime without capabilities.resume_rows never gets one)
+    resume: tuple[Resume | None, ...] | None = None
 
     @staticmethod
     def of(members: list[tuple[int, torch.Tensor]], *, last_only: bool = False,
@@ -352,6 +355,8 @@ class BatchTorchRuntime:
     def forward(self, batch: PackedBatch, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """-> logits [R, V] for batch.logit_rows (all N rows when None), and the hidden
         states layer -> [N, D] of every row."""
+        if batch.resume is not None and any(r is not None for r in batch.resume):
+            raise ValueError("a batched pass runs every layer of every row: it resumes none")
         regions = [self.pool.region(s) for s in batch.seqs]
         starts = [r.length for r in regions]
         for b, r in enumerate(regions):

@@ -75,9 +75,11 @@ class SoloBatch:
         mask = batch.tree_masks[0] if batch.tree_masks else None
         self.tree = mask is not None
         positions = None if batch.positions is None else batch.positions + base  # [N]
+        # early exit's draft rows start at its layer (only a runtime with resume_rows gets one)
+        resume = {"resume": batch.resume[0]} if batch.resume and batch.resume[0] else {}
         started = time.perf_counter()
         out = self.runtime.forward(batch.tokens, positions=positions, tree_mask=mask,
-                                   last_only=last_only, hidden_layers=hidden_layers)
+                                   last_only=last_only, hidden_layers=hidden_layers, **resume)
         # a verify pass (a chain, a tree, a plain step) is timed; a GPU's may still be running
         if (not last_only or n == 1) and out.logits.device.type == "cpu":
             observe_pass(self.runtime, n, time.perf_counter() - started)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forerun.runtime.base import Capabilities, ForwardOutput, ModelConfig
+from forerun.runtime.base import Capabilities, ForwardOutput, ModelConfig, Resume
 from forerun.runtime.memory import lazy_zeros
 from forerun.runtime.static import StaticPasses
 
@@ -301,7 +301,8 @@ class TorchRuntime:
         graphs = self._static_on and self.device.type == "cuda"
         self.capabilities = Capabilities(hidden_layers=True, final_hidden=True,
                                          reduced_vocab=True, static_passes=self._static_on,
-                                         cuda_graphs=graphs, skip_layers=True)
+                                         cuda_graphs=graphs, skip_layers=True,
+                                         resume_rows=True)
         self.curve = None  # forerun.profile's calibration, at its first use
 
     def set_invariant(self, on: bool) -> None:
@@ -419,10 +420,16 @@ class TorchRuntime:
 
     @torch.inference_mode()
     def forward(self, tokens, *, positions=None, tree_mask=None, last_only=False,
-                hidden_layers=(), hidden_from=0) -> ForwardOutput:
+                hidden_layers=(), hidden_from=0, resume: Resume | None = None) -> ForwardOutput:
+        """`resume`: the pass's first rows enter at layer resume.layer from resume.hidden (their
+        lower layers' K/V already cached: an early-exit draft's); layers below it run the
+        other rows only. Chains only."""
         start, T = self._length, tokens.shape[0]
         if start + T > self._capacity:
             raise ValueError(f"context full: {start} + {T} tokens > capacity {self._capacity}")
+        if resume is not None:
+            return self._resumed(tokens, resume, last_only, hidden_layers, hidden_from,
+                                 positions is not None or tree_mask is not None)
         if self._static is not None and self._static.fits(start, T, hidden_layers):
             logits, h = self._static.forward(tokens, positions, tree_mask, start)
             self._length = start + T
@@ -447,6 +454,35 @@ class TorchRuntime:
         self._length = start + T
         # Sampling and verification run on the CPU with a CPU generator: [T, V] is a small copy.
         return ForwardOutput(logits.cpu(), {i: h[hidden_from:] for i, h in hidden.items()})
+
+    def _resumed(self, tokens, resume: Resume, last_only: bool, hidden_layers, hidden_from,
+                 tree: bool) -> ForwardOutput:
+        """A chain pass whose first m rows start at layer E = resume.layer: layers 0..E-1 run
+        rows m.. only (written at their slots, attending to the cached lower K/V of the rows
+        before them), layers E.. every row."""
+        start, T, E, m = self._length, tokens.shape[0], resume.layer, resume.rows
+        if tree or not 0 < E < self.config.n_layers or not 0 < m <= T or any(
+                0 <= i < E for i in hidden_layers):
+            raise ValueError(f"resume: a chain pass of {T} rows resumes 1..{T} rows at a layer "
+                             f"in 1..{self.config.n_layers - 1} and returns no layer below it; got "
+                             f"{m} rows at layer {E}, layers {list(hidden_layers)}")
+        positions = torch.arange(start, start + T, device=self.device)
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]
+        x = self.model.embed(tokens[m:].to(self.device))  # [T - m, D]: the rows run in full
+        hidden = {}
+        for i, layer in enumerate(self.model.layers):
+            if i == E:  # the resumed rows join: every row from here on
+                x, m = torch.cat([resume.hidden.to(x.dtype), x]), 0  # [T, D]
+            if x.shape[0]:
+                x = layer(x, cos[m:], sin[m:], self.k_cache[i], self.v_cache[i], start + m,
+                          self._mask(start + m, T - m, None))
+            if i in hidden_layers:
+                hidden[i] = x
+        h, logits = self.head(x, last_only)  # [T, D], [T or 1, V]
+        if -1 in hidden_layers:
+            hidden[-1] = h
+        self._length = start + T
+        return ForwardOutput(logits.cpu(), {i: v[hidden_from:] for i, v in hidden.items()})
 
     def head(self, x: torch.Tensor, last_only: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,132 @@
+"""The early-exit draft (LayerSkip, Elhoushi et al. 2024): the target's first E layers and an
+exit head, run as a Runtime.
+
+Owns: `ExitAdapter`, a residual linear map on the layer-E hidden state (zero = the identity;
+`forerun train early-exit` fits it, since our checkpoints were not trained to exit early), and
+`ExitDraft`, the draft runtime. The draft runs the target's own blocks 0..E-1 (shared, never
+copied) and exits through the adapter, the target's final norm and its LM head.
+
+`shared` (a sequence decoded alone): the draft's cache is the first E layers of the target's
+own cache (views of the same storage). The K/V it writes for a drafted token at its slot are
+the target's own, since weights, token and position are the same; it keeps the layer-E states
+of the rows it ran (`resume`), and the verify pass starts those rows at layer E
+(`forerun.runtime.base.Resume`), computing layers E.. only. A rejected token's slots are
+overwritten by a later pass, as any rejected slot. Not shared (a batch member, whose target
+cache is a region of the batch's pool): a cache of its own over E layers, and the verify
+computes every layer. Chains only: each token is appended at the next slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forerun.runtime.base import Capabilities, ForwardOutput, Resume
+from forerun.runtime.memory import lazy_zeros
+from forerun.runtime.torch_model import PackedLinear, TorchRuntime
+
+
+class ExitAdapter(nn.Module):
+    """h -> h + W h on the layer-E hidden state [T, D], before the final norm; W = 0 is the
+    identity (the untrained exit head: the target's norm and LM head alone)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dim))  # [D, D]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.linear(h, self.weight.to(h.dtype))
+
+
+class ExitDraft:
+    """The first `layers` blocks of `target` plus its exit head, over the target's cache
+    (`shared`) or one of its own (`capacity` slots)."""
+
+    def __init__(self, target: TorchRuntime, layers: int, adapter: ExitAdapter | None = None,
+                 shared: bool = True, capacity: int | None = None):
+        cfg = target.config
+        if not 0 < layers < cfg.n_layers:
+            raise ValueError(f"early exit: the exit layer must lie in 1..{cfg.n_layers - 1} "
+                             f"(of {cfg.n_layers} layers), got {layers}")
+        self.target, self.layer, self.shared = target, layers, shared
+        self.blocks = target.model.layers[:layers]
+        self.config = replace(cfg, n_layers=layers)
+        self.capabilities = Capabilities()
+        self.curve = None  # forerun.profile's, at its first use (the cost policy's draft cost)
+        if shared:  # views: what the draft writes is the target's cache at layers 0..E-1
+            self.k_cache, self.v_cache = target.k_cache[:layers], target.v_cache[:layers]
+            self._capacity = target.capacity
+        else:
+            self._capacity = min(capacity or target.capacity, target.capacity)
+            shape = (layers, cfg.n_kv_heads, self._capacity, cfg.head_dim)
+            self.k_cache = lazy_zeros(shape, target.dtype, target.device)
+            self.v_cache = lazy_zeros(shape, target.dtype, target.device)
+        self._length = 0
+        self._exit = exit_map(adapter, target)
+        self._kept: list[torch.Tensor] = []  # [T_i, D] layer-E states since `align` (shared)
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
+        self._length = length
+
+    def align(self, length: int) -> None:
+        """Shared: the target's cache holds `length` tokens, so the draft's layers do too;
+        drafting continues at that slot, and the states kept for `resume` start there."""
+        if not self.shared or length > self.target.length:
+            raise ValueError("align: a shared draft takes the length of its target's cache")
+        self._length, self._kept = length, []
+
+    def resume(self) -> Resume:
+        """The layer-E states of the rows run since `align` (slots align.. in order), for
+        the verify pass that starts them at layer E."""
+        return Resume(self.layer, torch.cat(self._kept))  # [m, D]
+
+    @torch.inference_mode()
+    def forward(self, tokens, *, positions=None, tree_mask=None, last_only=False,
+                hidden_layers=(), hidden_from=0) -> ForwardOutput:
+        if positions is not None or tree_mask is not None or hidden_layers:
+            raise ValueError("the early-exit draft runs chains and returns no hidden layers")
+        start, T, t = self._length, tokens.shape[0], self.target
+        if start + T > self._capacity:
+            raise ValueError(f"context full: {start} + {T} tokens > capacity {self._capacity}")
+        at = torch.arange(start, start + T, device=t.device)
+        cos, sin = t.cos[at], t.sin[at]  # [T, hd]
+        mask = None if T == 1 else torch.cat(  # [T, start+T]: every cached slot, then causal
+            [torch.ones(T, start, dtype=torch.bool), torch.ones(T, T, dtype=torch.bool).tril()],
+            dim=1).to(t.device)
+        x = t.model.embed(tokens.to(t.device))  # [T, D]
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, self.k_cache[i], self.v_cache[i], start, mask)
+        if self.shared:
+            self._kept.append(x)
+        self._length = start + T
+        _, logits = t.head(self._exit(x[-1:] if last_only else x))  # [T or 1, V]
+        return ForwardOutput(logits.cpu())
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        raise ValueError("the early-exit draft drafts chains: it never keeps a tree's path")
+
+    def fork(self) -> ExitDraft:
+        raise ValueError("the early-exit draft is built per sequence, not forked")
+
+
+def exit_map(adapter: ExitAdapter | None, target: TorchRuntime):
+    """The adapter as the draft runs it: none (or W = 0) is the identity; else h + W h in the
+    target's dtype, prepacked where the target's linears are."""
+    if adapter is None or not adapter.weight.any():
+        return lambda h: h
+    weight = adapter.weight.detach().to(target.dtype, copy=True)  # [D, D]
+    linear = PackedLinear(weight) if target.prepacked else (lambda h: F.linear(h, weight))
+    return lambda h: h + linear(h)
