@@ -106,6 +106,13 @@ def test_a_zero_adapter_is_the_identity_and_a_trained_one_changes_the_draft(tmp_
     moved = ExitDraft(rt, 2, loaded, shared=False).forward(ids).logits
     assert not torch.equal(moved, bare)
     assert plain(rt) == decode(rt, 2, 3, adapter=str(path))[0]  # lossless with any adapter
+    small = ExitAdapter(rt.config.dim, torch.tensor([2, 5, 11, 40]))  # scores 4 tokens
+    path = save_adapter(tmp_path / "small.safetensors", small, 2, {})
+    assert torch.equal(load_adapter(path, rt.config.dim, 2).vocab, small.vocab)
+    logits = ExitDraft(rt, 2, small, shared=False).forward(ids).logits  # [T, V]
+    assert set(logits.argmax(-1).tolist()) <= {2, 5, 11, 40}
+    assert torch.isfinite(logits).sum(-1).tolist() == [4] * len(PROMPT)
+    assert plain(rt) == decode(rt, 2, 3, adapter=str(path))[0]
     with pytest.raises(ValueError, match="not layer 3"):
         load_adapter(path, rt.config.dim, 3)
     with pytest.raises(ValueError, match="not an early-exit adapter"):
@@ -282,6 +289,9 @@ def test_training_the_adapter_brings_the_exit_head_closer_to_the_target(tmp_path
     cfg = TrainConfig("early-exit", steps=80, lr=3e-2, held_out=0.0)
     adapter, report = train_adapter(rt, shards, layer, cfg, progress=False)
     assert report["after"] > report["before"] + 0.1, report
+    vocab = torch.arange(0, 64, 2)  # half the tokens
+    small, reduced = train_adapter(rt, shards, layer, cfg, progress=False, vocab=vocab)
+    assert torch.equal(small.vocab, vocab) and reduced["after"] > reduced["before"], reduced
     assert adapter.weight.abs().sum() > 0
     path = save_adapter(tmp_path / "adapter.safetensors", adapter, layer, report)
     rt2 = tiny_runtime(4, n_layers=LAYERS)

@@ -105,7 +105,8 @@ def add_parser(sub) -> None:
     t.add_argument("--num-heads", type=int, default=4, help="medusa/hydra: heads (tokens deep)")
     t.add_argument("--ffn-dim", type=int, default=2048, help="eagle: MLP width of its layer")
     t.add_argument("--head-vocab", type=int, default=32768,
-                   help="the heads' reduced vocabulary (most frequent ids; 0 = all)")
+                   help="the heads' (and the early-exit head's) reduced vocabulary (most "
+                        "frequent ids; 0 = all)")
     t.add_argument("--out", default=None, help="output folder (default: next to the target "
                    "in the model cache: FORERUN_HOME/heads/TARGET/KIND, or KIND-llamacpp for "
                    "--runtime llama.cpp)")
@@ -213,7 +214,8 @@ def run_early_exit(args, engine, layer: int, cfg, data: Path, replier, record) -
     if args.out is None and source is None:
         raise ValueError("early-exit: the target has no weights file to keep the adapter "
                          "beside; give --out DIR")
-    adapter, report = train_early_exit(engine, layer, cfg, data, replier, record)
+    adapter, report = train_early_exit(engine, layer, cfg, data, replier, record,
+                                       args.head_vocab)
     out = (Path(args.out) / "adapter.safetensors" if args.out else adapter_file(source, layer))
     report["out"] = str(save_adapter(out, adapter, layer, report))
     if not args.json:

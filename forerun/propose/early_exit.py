@@ -85,7 +85,10 @@ def save_adapter(path: Path, adapter: ExitAdapter, layer: int, record: dict) -> 
 
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"layer": str(layer), "record": json.dumps(record)}
-    save_file({"weight": adapter.weight.detach().float().contiguous()}, str(path), metadata=meta)
+    tensors = {"weight": adapter.weight.detach().float().contiguous()}
+    if adapter.vocab is not None:
+        tensors["vocab"] = adapter.vocab.long().contiguous()
+    save_file(tensors, str(path), metadata=meta)
     return path
 
 
@@ -96,12 +99,14 @@ def load_adapter(path: Path, dim: int, layer: int) -> ExitAdapter:
     try:
         with safe_open(str(path), "pt") as f:
             weight, meta = f.get_tensor("weight"), f.metadata() or {}
+            names = f.keys()  # a safe_open has no __contains__
+            vocab = f.get_tensor("vocab") if "vocab" in names else None
     except (OSError, KeyError, SafetensorError) as e:
         raise ValueError(f"{path}: not an early-exit adapter ({e})") from e
     if tuple(weight.shape) != (dim, dim) or meta.get("layer") != str(layer):
         raise ValueError(f"{path}: an adapter for exit layer {meta.get('layer')} and width "
                          f"{weight.shape[-1]}, not layer {layer} and width {dim}")
-    adapter = ExitAdapter(dim)
+    adapter = ExitAdapter(dim, vocab)
     with torch.no_grad():
         adapter.weight.copy_(weight)
     return adapter

@@ -26,16 +26,19 @@ from torch import nn
 
 from forerun.runtime.base import Capabilities, ForwardOutput, Resume
 from forerun.runtime.memory import lazy_zeros
-from forerun.runtime.torch_model import PackedLinear, TorchRuntime
+from forerun.runtime.torch_model import PackedLinear, TorchRuntime, rms_norm
 
 
 class ExitAdapter(nn.Module):
     """h -> h + W h on the layer-E hidden state [T, D], before the final norm; W = 0 is the
-    identity (the untrained exit head: the target's norm and LM head alone)."""
+    identity (the untrained exit head: the target's norm and LM head alone). `vocab`: the
+    tokens the exit head scores (FR-Spec: the LM head is ~5 of Qwen2.5-1.5B's 28 layers'
+    weights; a draft that cannot propose a rare token stays lossless); None = every token."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, vocab: torch.Tensor | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim, dim))  # [D, D]
+        self.vocab = vocab  # [N] sorted token ids, or None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + F.linear(h, self.weight.to(h.dtype))
@@ -66,6 +69,11 @@ class ExitDraft:
             self.v_cache = lazy_zeros(shape, target.dtype, target.device)
         self._length = 0
         self._exit = exit_map(adapter, target)
+        self._vocab = None if adapter is None else adapter.vocab  # [N] or None: every token
+        if self._vocab is not None:  # the kept rows of the LM head, copied for the draft alone
+            weight = target.model.lm_weight().detach()[self._vocab.to(target.device)]  # [N, D]
+            self._head = (PackedLinear(weight.contiguous()) if target.prepacked else
+                          (lambda h, w=weight: F.linear(h, w)))
         self._kept: list[torch.Tensor] = []  # [T_i, D] layer-E states since `align` (shared)
 
     @property
@@ -112,8 +120,17 @@ class ExitDraft:
         if self.shared:
             self._kept.append(x)
         self._length = start + T
-        _, logits = t.head(self._exit(x[-1:] if last_only else x))  # [T or 1, V]
-        return ForwardOutput(logits.cpu())
+        return ForwardOutput(self.exit_head(x[-1:] if last_only else x).cpu())
+
+    def exit_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Layer-E states [T, D] -> the exit head's logits [T, V] (-inf outside its vocab)."""
+        h = self._exit(x)
+        if self._vocab is None:
+            return self.target.head(h)[1]
+        normed = rms_norm(h, self.target.model.norm, self.config.norm_eps)
+        kept = self._head(normed).to(self.target.out_dtype)  # [T, N]
+        logits = kept.new_full((kept.shape[0], self.config.vocab_size), float("-inf"))
+        return logits.index_copy_(1, self._vocab.to(kept.device), kept)  # [T, V]
 
     def keep(self, start: int, rows: list[int]) -> None:
         raise ValueError("the early-exit draft drafts chains: it never keeps a tree's path")

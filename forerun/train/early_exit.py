@@ -23,7 +23,7 @@ from forerun.runtime.early_exit import ExitAdapter
 from forerun.runtime.torch_model import TorchRuntime, rms_norm
 from forerun.train.collection import collect
 from forerun.train.config import TrainConfig
-from forerun.train.loop import fit, load_shards
+from forerun.train.loop import corpus_vocab, fit, load_shards
 
 
 def feature_layer(layer: int) -> int:
@@ -35,10 +35,14 @@ class ExitHead(torch.nn.Module):
     """The draft's exit head for training: the adapter (trained), the target's final norm and
     LM head rows (frozen, float32)."""
 
-    def __init__(self, target: TorchRuntime):
+    def __init__(self, target: TorchRuntime, vocab: torch.Tensor | None = None):
         super().__init__()
         model = target.model
-        self.adapter = ExitAdapter(target.config.dim)
+        self.adapter = ExitAdapter(target.config.dim, vocab)
+        self.kept = None  # [V] bool: the tokens its vocab holds (None: every token)
+        if vocab is not None:
+            self.kept = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+            self.kept[vocab] = True
         self.norm = model.norm.detach().float()  # [D]
         self.lm = model.lm_weight().detach()  # [V, D] in the target's dtype
         self.eps = target.config.norm_eps
@@ -55,9 +59,12 @@ def window_loss(head: ExitHead, w: dict, layer: int) -> tuple[torch.Tensor, floa
     h = w[f"h{feature_layer(layer)}"]  # [T, D]
     top_ids, top_lp = w["top_ids"].long(), w["top_lp"].float()  # [T, K]
     ids, index = top_ids.unique(return_inverse=True)  # [U], [T, K]
-    p = torch.zeros(h.shape[0], ids.shape[0]).scatter_add_(1, index, top_lp.exp())  # [T, U]
-    p = p / p.sum(-1, keepdim=True)
+    weights = top_lp.exp() if head.kept is None else top_lp.exp() * head.kept[top_ids]
+    p = torch.zeros(h.shape[0], ids.shape[0]).scatter_add_(1, index, weights)  # [T, U]
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
     logits = head(h, ids)  # [T, U]
+    if head.kept is not None:  # tokens outside its vocab: never the exit head's
+        logits = logits.masked_fill(~head.kept[ids], float("-inf"))
     loss = -(p * logits.log_softmax(-1)).sum(-1).mean()
     agree = (ids[logits.argmax(-1)] == top_ids[:, 0]).float().mean().item()
     return loss, agree
@@ -71,13 +78,14 @@ def agreement(head: ExitHead, shards: list[dict], layer: int) -> float:
 
 
 def train_adapter(target: TorchRuntime, shards: list[dict], layer: int, cfg: TrainConfig,
-                  checkpoint: Path | None = None, progress: bool = True
-                  ) -> tuple[ExitAdapter, dict]:
-    """The adapter trained on `shards` (every tenth held out) -> it and the report."""
+                  checkpoint: Path | None = None, progress: bool = True,
+                  vocab: torch.Tensor | None = None) -> tuple[ExitAdapter, dict]:
+    """The adapter (scoring the tokens `vocab`, None = all) trained on `shards` (every tenth
+    held out) -> it and the report."""
     every = round(1 / cfg.held_out) if cfg.held_out > 0 and len(shards) > 1 else 0
     held = [w for i, w in enumerate(shards) if every and i % every == every - 1] or shards
     train_set = [w for i, w in enumerate(shards) if not every or i % every != every - 1] or shards
-    head = ExitHead(target)
+    head = ExitHead(target, vocab)
     before = agreement(head, held, layer)
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed))
     steps = cfg.total_steps(len(train_set))
@@ -93,8 +101,9 @@ def train_adapter(target: TorchRuntime, shards: list[dict], layer: int, cfg: Tra
 
 
 def run(engine, layer: int, cfg: TrainConfig, data_dir: Path, replier=None,
-        record: dict | None = None) -> tuple[ExitAdapter, dict]:
-    """Collect (or reuse) the data with the layer-E features, train -> adapter, report."""
+        record: dict | None = None, vocab_size: int = 0) -> tuple[ExitAdapter, dict]:
+    """Collect (or reuse) the data with the layer-E features, train -> adapter, report.
+    `vocab_size`: the exit head scores the most frequent tokens of the data only (0 = all)."""
     target = engine.target
     n = target.config.n_layers
     if not 0 < layer < n:
@@ -103,17 +112,14 @@ def run(engine, layer: int, cfg: TrainConfig, data_dir: Path, replier=None,
     paths = collect(engine, cfg, (feature_layer(layer),), data_dir, replier=replier,
                     record=record)
     collected = time.perf_counter() - t0
-    adapter, report = train_adapter(target, load_shards(paths), layer, cfg,
-                                    data_dir / f"early-exit-{layer}.ckpt")
-    return adapter, {**report, "collect_s": round(collected, 1), "data": str(data_dir)}
+    shards, tok = load_shards(paths), engine.tokenizer
+    vocab = (corpus_vocab(shards, vocab_size, tok.frequent_ids(vocab_size), tok.frequent_ids(1))
+             if vocab_size else None)
+    vocab = None if vocab is None else vocab[vocab < target.config.vocab_size]
+    adapter, report = train_adapter(target, shards, layer, cfg,
+                                    data_dir / f"early-exit-{layer}-{vocab_size}.ckpt",
+                                    vocab=vocab)
+    return adapter, {**report, "vocab": vocab_size, "collect_s": round(collected, 1),
+                     "data": str(data_dir)}
 
 
-def exit_logits(target: TorchRuntime, hidden: torch.Tensor, adapter: ExitAdapter | None
-                ) -> torch.Tensor:
-    """The exit head's logits [T, V] of layer-E states [T, D] (the sweep's agreement)."""
-    h = hidden if adapter is None else adapter(hidden)
-    return target.head(h)[1]
-
-
-__all__ = ["ExitHead", "agreement", "exit_logits", "feature_layer", "run", "train_adapter",
-           "window_loss"]
