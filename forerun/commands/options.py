@@ -19,6 +19,7 @@ from forerun.grammar import Grammar
 from forerun.heads import PRECISIONS
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from forerun.models.load import DEFAULT_CONTEXT, DTYPES, RUNTIMES
+from forerun.models.requantize import QTYPES
 from forerun.policy import POLICIES
 from forerun.processors import Processing
 from forerun.propose import PROPOSERS, SpecConfig, tree_budget
@@ -28,6 +29,9 @@ from forerun.propose.magicdec import DEFAULT_SINKS as MAGICDEC_SINKS
 from forerun.propose.magicdec import DEFAULT_WINDOW as MAGICDEC_WINDOW
 from forerun.propose.magicdec import DRAFTERS as MAGICDEC_DRAFTERS
 from forerun.propose.multi import DEFAULT_METHODS, parse_methods
+from forerun.propose.qspec import ACTIVATION_BITS as QSPEC_ACTIVATIONS
+from forerun.propose.qspec import BITS as QSPEC_BITS
+from forerun.propose.qspec import RUNTIMES as QSPEC_RUNTIMES
 from forerun.propose.suffix import DEFAULT_CACHE_TOKENS, DEFAULT_FACTOR, DEFAULT_MIN_PROB
 from forerun.sampling import SamplingConfig
 from forerun.verify_spectr import TREE_VERIFIERS
@@ -97,7 +101,9 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       skip_layers=args.skip_layers,
                       magicdec_sinks=args.magicdec_sinks, magicdec_window=args.magicdec_window,
                       magicdec_drafter=args.magicdec_drafter,
-                      exit_layer=args.exit_layer, exit_adapter=args.exit_adapter)
+                      exit_layer=args.exit_layer, exit_adapter=args.exit_adapter,
+                      qspec_runtime=args.qspec_runtime, qspec_bits=args.qspec_bits,
+                      qspec_activations=args.qspec_activations, qspec_type=args.qspec_type)
 
 
 def load_engine(args: argparse.Namespace, console: Console | None = None) -> Engine:
@@ -189,6 +195,22 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="--method magicdec: draft = the draft model (--draft), self = the "
                         "target's own weights, each over a sparse cache of its own "
                         "(default: %(default)s)")
+    g.add_argument("--qspec-runtime", default="auto", choices=list(QSPEC_RUNTIMES),
+                   help="--method qspec: where the target's low-precision copy drafts: torch "
+                        "(its weights quantized, --qspec-bits), llama.cpp (the target's GGUF "
+                        "on llama.cpp; under a llama.cpp target requantized, --qspec-type); "
+                        "auto = llama.cpp for a GGUF target where it is installed, else torch "
+                        "(default: %(default)s)")
+    g.add_argument("--qspec-bits", type=int, default=8, choices=list(QSPEC_BITS),
+                   help="--method qspec, torch draft: weight bits, int8 per row or int4 per "
+                        "32 inputs (default: %(default)s)")
+    g.add_argument("--qspec-activations", type=int, default=16, choices=list(QSPEC_ACTIVATIONS),
+                   help="--method qspec, torch draft: activation bits, 16 = bfloat16, 8 = "
+                        "quantized per call (W8A8, with --qspec-bits 8) (default: %(default)s)")
+    g.add_argument("--qspec-type", default=None, choices=list(QTYPES),
+                   help="--method qspec, llama.cpp draft: requantize the target's GGUF to this "
+                        "type at first use, kept in the model cache with its SHA-256 (default: "
+                        "the file as it is under a torch target, Q4_0 under a llama.cpp one)")
     g.add_argument("--skip-layers", type=parse_layers, default=None, metavar="LAYERS|FILE",
                    help="--method layer-skip: the target's layers its self-draft leaves out, "
                         "as 3,5,7-12 or a JSON file of `forerun tune layer-skip` (default: the "

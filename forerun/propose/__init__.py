@@ -40,6 +40,7 @@ from forerun.propose.medusa import (
 )
 from forerun.propose.multi import DEFAULT_METHODS, MultiConfig, MultiProposer
 from forerun.propose.ngram import LookupBranch, NgramProposer
+from forerun.propose.qspec import QSpecConfig, qspec_proposer
 from forerun.propose.suffix import (
     DEFAULT_CACHE_TOKENS,
     DEFAULT_FACTOR,
@@ -80,6 +81,10 @@ class SpecConfig:
     magicdec_sinks: int = DEFAULT_SINKS  # magicdec: first tokens every draft query attends to
     magicdec_window: int = MAGICDEC_WINDOW  # magicdec: and the most recent ones
     magicdec_drafter: str = "draft"  # magicdec: "draft" (the draft model) or "self" (the target)
+    qspec_runtime: str = "auto"  # qspec: the draft's runtime (torch, llama.cpp, auto)
+    qspec_bits: int = 8  # qspec: the torch draft's weight bits (8, 4)
+    qspec_activations: int = 16  # qspec: the torch draft's activation bits (16, 8)
+    qspec_type: str | None = None  # qspec: a llama.cpp draft's file requantized to this type
     exit_layer: int | None = None  # early-exit: E, the target layers its draft runs (None =
     # forerun.propose.early_exit.default_layer)
     exit_adapter: str | None = None  # early-exit: the exit adapter's file, "none" (identity),
@@ -100,6 +105,7 @@ class SpecConfig:
         self.lookahead()  # and lookahead's
         self.layer_skip()  # and layer-skip's
         self.magicdec()  # and magicdec's
+        self.qspec()  # and qspec's
         self.early_exit()  # and early-exit's
         if "lookahead" in self.multi().methods:
             raise ValueError("multi: lookahead cannot join (its draft carries its Jacobi "
@@ -130,6 +136,11 @@ class SpecConfig:
     def early_exit(self) -> EarlyExitConfig:
         """The early-exit method's own options."""
         return EarlyExitConfig(self.exit_layer, self.exit_adapter)
+
+    def qspec(self) -> QSpecConfig:
+        """The qspec method's own options."""
+        return QSpecConfig(self.qspec_runtime, self.qspec_bits, self.qspec_activations,
+                           self.qspec_type)
 
     def multi(self) -> MultiConfig:
         """The multi method's own options."""
@@ -189,6 +200,10 @@ def _layer_skip(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
 
 def _early_exit(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     return early_exit_proposer(spec.early_exit(), ctx)
+
+
+def _qspec(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    return qspec_proposer(spec.qspec(), ctx)
 
 
 def _multi(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
@@ -259,6 +274,7 @@ PROPOSERS: dict[str, ProposerFactory] = {
     "lookahead": _lookahead,
     "layer-skip": _layer_skip,
     "magicdec": _magicdec,
+    "qspec": _qspec,
     "early-exit": _early_exit,
     "multi": _multi,
     "medusa": _medusa,

@@ -107,7 +107,8 @@ def _llama_errors() -> str:
     return f" (llama.cpp: {'; '.join(_errors)})" if _errors else ""
 
 
-def _init_backend() -> None:
+def init_backend() -> None:
+    """llama.cpp's backend, once per process, its log filtered to error lines (see _log)."""
     global _backend_ready
     if not _backend_ready:
         C.llama_log_set(_log, ctypes.c_void_p(0))
@@ -250,7 +251,7 @@ class LlamaCppRuntime:
     def __init__(self, path: Path, config: ModelConfig, capacity: int, *,
                  n_threads: int | None = None, batch: int = DEFAULT_BATCH, gpu: bool = False):
         """`gpu`: offload every layer (needs a llama-cpp-python built with a GPU backend)."""
-        _init_backend()
+        init_backend()
         if gpu and not C.llama_supports_gpu_offload():
             raise RuntimeError("this llama-cpp-python build runs on the CPU only; rebuild it "
                                "with a GPU backend (CMAKE_ARGS=-DGGML_CUDA=on) or use --device cpu")
@@ -274,6 +275,11 @@ class LlamaCppRuntime:
                                          greedy_many=True, curve_on_disk=True)
         self.curve = None  # forerun.profile's calibration, at its first use
         self._open_context()
+
+    @property
+    def source(self) -> Path:
+        """The GGUF file it runs."""
+        return self._path
 
     def calibration_key(self) -> dict:
         """What a measured forward-time curve depends on (`forerun.profile` caches curves on

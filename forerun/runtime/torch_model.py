@@ -101,6 +101,10 @@ class PackedLinear(nn.Module):
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight [O, I] back in its row-major layout (exactly: the reorder is lossless)."""
+        return self.packed.to_dense()
+
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN packs float32 on any CPU, bfloat16 only where it has bf16 kernels (AVX512-BW/VL/DQ
@@ -261,7 +265,8 @@ class TorchRuntime:
 
     def __init__(self, model: Transformer, capacity: int, prepack: bool | None = None,
                  static: bool | None = None, spans: bool = False,
-                 invariant: bool = False, source: Path | None = None):
+                 invariant: bool = False, source: Path | None = None,
+                 head: nn.Module | None = None):
         """`prepack`: reorder the weights for oneDNN (default: where it applies, CPU float32 and
         bfloat16); the model is changed in place. `static`: run decode-sized passes in static
         shapes (forerun.runtime.static), replayed as CUDA graphs on a GPU (default: on a GPU
@@ -272,7 +277,9 @@ class TorchRuntime:
         how many rows share its pass, op by op (off by default: on the real default target it
         did not make bfloat16 speculation equal plain decoding; docs/runtimes.md); set on the
         model, so its forks and batched views share it. `source`: the weights' file (what
-        settings tuned for them are keyed by: layer-skip's set), None for a model built here."""
+        settings tuned for them are keyed by: layer-skip's set), None for a model built here.
+        `head`: the LM head as a module of its own (a quantized draft's, forerun.runtime.
+        quantized), whose logits are not refined; None = the model's LM weight."""
         cfg = model.cfg
         self.config, self.model, self.source = cfg, model, source
         param = model.embed.weight
@@ -281,10 +288,14 @@ class TorchRuntime:
         if self.prepacked:
             for layer in model.layers:
                 prepack_linears(layer)
+        if head is not None:
+            self._head = head
+        elif self.prepacked:
             self._head = PackedLinear(model.lm_weight())  # lm_weight() stays for refinement
         else:
             self._head = lambda x: F.linear(x, model.lm_weight())
-        self._head_weight = model.lm_weight()  # [V, D]: the rows the head computes
+        # [V, D]: the rows the head computes, refined from (None: a head of its own)
+        self._head_weight = None if head is not None else model.lm_weight()
         self._vocab_ids: torch.Tensor | None = None  # [N]: set by limit_vocab
         self.invariant = invariant and self.prepacked
         self._set_invariant()
@@ -492,7 +503,7 @@ class TorchRuntime:
         h = rms_norm(x, self.model.norm, self.config.norm_eps)
         rows = h[-1:] if last_only else h
         logits = self._head(rows)  # [T, V], or [T, N] under limit_vocab
-        if self.dtype in LOW_PRECISION:
+        if self.dtype in LOW_PRECISION and self._head_weight is not None:
             logits = refine_top_logits(logits, rows, self._head_weight)
         if self._vocab_ids is not None:  # back to [T, V], -inf outside the kept tokens
             logits = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf")

@@ -279,7 +279,10 @@ def resolve_spec(field: Speculation | None, default: SpecConfig, *, has_draft: b
                       lookahead_window=default.lookahead_window,
                       lookahead_ngram=default.lookahead_ngram,
                       lookahead_guesses=default.lookahead_guesses,
-                      lookahead_auto=default.lookahead_auto), field.stream_stats
+                      lookahead_auto=default.lookahead_auto,
+                      qspec_runtime=default.qspec_runtime, qspec_bits=default.qspec_bits,
+                      qspec_activations=default.qspec_activations,
+                      qspec_type=default.qspec_type), field.stream_stats
 
 
 class EventStream(StreamingResponse):
