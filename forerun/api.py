@@ -1,7 +1,7 @@
 """`forerun.Engine`: the library entry point. Loads a target (and a draft), turns text into
 tokens, runs plain or speculative decoding, and turns tokens back into streamed text.
 
-Owns: model loading and the vocabulary check between draft and target, chat templating, stop
+Owns: model loading and the vocabulary bridge between draft and target, chat templating, stop
 strings, incremental detokenization and the per-generation stats. The decode loops themselves
 live in `forerun.engine` and `forerun.reference` and know nothing of text.
 """
@@ -27,6 +27,7 @@ from forerun.models.tokenizer import TextTokenizer
 from forerun.policy import POLICIES
 from forerun.profile import ForwardCurve
 from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
+from forerun.propose.cross_vocab import VocabBridge, vocab_bridge
 from forerun.reference import plain_decode
 from forerun.runtime.base import Runtime
 from forerun.runtime.batch import BatchRuntime, BatchTorchRuntime
@@ -121,21 +122,25 @@ def head_precision(name: str, device: str = "cpu") -> str:
     return "w8a8" if w8a8_available() else "float32"
 
 
-def check_same_vocabulary(target: ModelSource, draft: ModelSource) -> None:
-    """Draft-model speculation compares token ids: the two tokenizers must agree on all of them."""
-    tv, dv = target.tokenizer.vocab, draft.tokenizer.vocab
-    if tv != dv:
-        differ = len(set(tv.items()) ^ set(dv.items()))
-        raise ModelError(
-            f"vocabulary mismatch: draft {draft.name!r} has {len(dv)} tokens, target "
-            f"{target.name!r} has {len(tv)} ({differ} token/id pairs differ). A draft model must "
-            "use the target's tokenizer; pick a draft from the same family or use --method ngram.")
+def draft_bridge(target: ModelSource, draft: ModelSource) -> VocabBridge | None:
+    """The bridge the draft method drafts through where the draft's tokenizer is not the
+    target's (None where they agree on every token/id pair); from the tokenizers alone, before
+    any weights load. Raises ModelError for a draft it cannot bridge."""
+    if draft.config is None:
+        raise ModelError(f"draft {draft.name!r}: its architecture is not supported "
+                         "(supported: llama, qwen2)")
+    size = target.config.vocab_size if target.config else len(target.tokenizer.vocab)
+    return vocab_bridge(target.tokenizer, draft.tokenizer, size, draft.config.vocab_size)
 
 
 def load_draft(target: ModelSource, draft: ModelSource, load: LoadConfig) -> Runtime:
-    """The draft model's runtime for `target`: the vocabularies checked before any weights
-    load, then the draft in load.draft_dtype, cut to load.draft_vocab tokens if asked."""
-    check_same_vocabulary(target, draft)
+    """The draft model's runtime for `target`: the pair checked before any weights load (a
+    draft of another vocabulary must be bridgeable: `draft_bridge`), then the draft in
+    load.draft_dtype, cut to load.draft_vocab tokens if asked (one vocabulary only)."""
+    bridge = draft_bridge(target, draft)
+    if bridge is not None and load.draft_vocab > 0:
+        raise ModelError("a reduced draft vocabulary (--draft-vocab) needs a draft with the "
+                         "target's tokenizer")
     runtime = draft.load(dtype=load.draft_dtype, device=load.device, context=load.context,
                          runtime=load.runtime)
     if load.draft_vocab > 0:
@@ -156,6 +161,7 @@ class Engine:
                              "(supported: llama, qwen2)")
         draft_src = open_model(draft) if draft and spec.uses_draft else None
         draft_rt = load_draft(target_src, draft_src, load) if draft_src else None
+        bridge = draft_bridge(target_src, draft_src) if draft_src else None  # (cached)
         target_rt = target_src.load(dtype=load.dtype, device=load.device, context=load.context,
                                     runtime=load.runtime)
         if load.invariant:
@@ -172,31 +178,32 @@ class Engine:
                 raise ModelError(f"{heads.cfg.kind} heads read target layers "
                                  f"{list(heads.cfg.layers)}; the {load.runtime} runtime exposes "
                                  "only the final one (-1): use --runtime torch")
-        self._attach(target_rt, target_src.tokenizer, draft_rt, spec, heads)
+        self._attach(target_rt, target_src.tokenizer, draft_rt, spec, heads, bridge)
         return_free_memory()  # loading's temporaries, freed but still mapped
 
     @classmethod
     def from_runtimes(cls, target: Runtime, tokenizer: TextTokenizer,
                       draft: Runtime | None = None, spec: SpecConfig | None = None,
-                      heads: Heads | None = None) -> Engine:
+                      heads: Heads | None = None, *,
+                      draft_tokenizer: TextTokenizer | None = None) -> Engine:
+        """`draft_tokenizer`: the draft's, where it is not `tokenizer` (a draft of another
+        vocabulary: the draft method bridges the two)."""
         engine = cls.__new__(cls)
-        engine._attach(target, tokenizer, draft, spec or SpecConfig(), heads)
+        bridge = None if draft_tokenizer is None else vocab_bridge(
+            tokenizer, draft_tokenizer, target.config.vocab_size, draft.config.vocab_size)
+        engine._attach(target, tokenizer, draft, spec or SpecConfig(), heads, bridge)
         return engine
 
-    def _attach(self, target, tokenizer, draft, spec, heads=None) -> None:
+    def _attach(self, target, tokenizer, draft, spec, heads=None, bridge=None) -> None:
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
         self.heads = heads
+        self.bridge: VocabBridge | None = bridge  # the draft's vocabulary to the target's
         # what proposers are built from; its stores are this sequence's (forks get their own)
         # (its `shared`, the suffix method's index of earlier outputs, outlives every request)
-        self.proposers = ProposerContext(target, draft, heads, tokenizer, shared={})
+        self.proposers = ProposerContext(target, draft, heads, tokenizer, shared={},
+                                         bridge=bridge)
         self._batches: dict[str, tuple[int, BatchRuntime]] = {}  # role -> (budget, its view)
         self._batch_curves: dict[str, ForwardCurve] = {}  # role -> its view's pass costs
-
-    def use_heads(self, heads: Heads) -> None:
-        """Draft with these heads from the next sequence on (a server's online-distilled
-        Medusa head, made after loading)."""
-        self.heads = heads
-        self.proposers = replace(self.proposers, heads=heads)
 
     def warm_up(self) -> int:
         """Record the target's and the draft model's static passes (CUDA graphs on a GPU) of
@@ -220,7 +227,9 @@ class Engine:
         forked = Engine.from_runtimes(self.target.fork(), self.tokenizer,
                                       self.draft.fork() if self.draft is not None else None,
                                       self.spec, self.heads)
-        forked.proposers = replace(forked.proposers, shared=self.proposers.shared)  # one index
+        forked.bridge = self.bridge
+        forked.proposers = replace(forked.proposers, shared=self.proposers.shared,  # one index
+                                   bridge=self.bridge)
         return forked
 
     def encode(self, prompt: str | list[int], raw: bool = False) -> list[int]:

@@ -32,6 +32,7 @@ from forerun.policy import POLICIES, FixedK
 from forerun.prefix_cache import PrefixCache
 from forerun.profile import LiveCurve
 from forerun.propose import AUTO_TREE, AUTO_TREE_MAX, PROPOSERS, ProposerContext, SpecConfig
+from forerun.propose.cross_draft import SharedCrossDraft
 from forerun.propose.draft_batch import SHARED_DRAFT, SharedDraftModel
 from forerun.runtime.batch import PoolFull
 from forerun.sampling import SamplingConfig, make_generator
@@ -64,7 +65,7 @@ class BatchSession:
     live: list[Sequence] = field(default_factory=list)
     # state its members' drafters share (ProposerContext.batch): heads', the draft model
     _group: dict[str, Any] = field(default_factory=dict)
-    _draft: SharedDraftModel | None = None
+    _draft: SharedDraftModel | SharedCrossDraft | None = None
     _lengths: BatchCostPolicy | None = None
     pass_size: int = 0  # members in the last pass
 
@@ -250,12 +251,13 @@ class BatchSession:
             self._shared_draft()
         self._policy()
 
-    def _shared_draft(self) -> SharedDraftModel:
+    def _shared_draft(self) -> SharedDraftModel | SharedCrossDraft:
         if self.engine.draft is None:
             raise ValueError("method 'draft' needs a draft model (--draft)")
         if self._draft is None:
-            self._draft = SharedDraftModel(self.engine.batch_view("draft", self.kv_budget_bytes),
-                                           self.engine.target.config.vocab_size)
+            view, bridge = self.engine.batch_view("draft", self.kv_budget_bytes), self.engine.bridge
+            self._draft = (SharedDraftModel(view, self.engine.target.config.vocab_size)
+                           if bridge is None else SharedCrossDraft(view, bridge))
         return self._draft
 
 

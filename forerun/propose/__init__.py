@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from forerun.heads import Heads
 from forerun.profile import calibrated_curve
 from forerun.propose.base import Draft, Needs, Proposer, ProposerContext
+from forerun.propose.cross_draft import CrossVocabProposer
 from forerun.propose.draft_batch import SHARED_DRAFT
 from forerun.propose.draft_model import DraftModelProposer
 from forerun.propose.eagle import EagleProposer, shared_eagle
@@ -170,6 +171,8 @@ def _draft(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
         return shared.proposer(ctx.capacity)
     if ctx.draft is None:
         raise ValueError("method 'draft' needs a draft model (--draft)")
+    if ctx.bridge is not None:  # a draft of another vocabulary: through the text and TLI
+        return CrossVocabProposer(ctx.draft, ctx.bridge)
     return DraftModelProposer(ctx.draft, ctx.target.config.vocab_size)
 
 

@@ -26,6 +26,7 @@ from forerun.sampling import SamplingConfig
 if TYPE_CHECKING:
     from forerun.heads import Heads
     from forerun.models.tokenizer import TextTokenizer
+    from forerun.propose.cross_vocab import VocabBridge
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,9 @@ class ProposerContext:
     # name: the suffix method's index of earlier outputs; the Engine owns it. None = nothing
     # outlives its sequence
     shared: dict[str, Any] | None = None
+    # where the draft's tokenizer is not the target's: the maps between them (the draft method
+    # then drafts through forerun.propose.cross_draft); None = one vocabulary
+    bridge: VocabBridge | None = None
 
 
 @dataclass
