@@ -122,22 +122,27 @@ def head_precision(name: str, device: str = "cpu") -> str:
     return "w8a8" if w8a8_available() else "float32"
 
 
-def draft_bridge(target: ModelSource, draft: ModelSource) -> VocabBridge | None:
+def draft_bridge(target: ModelSource, draft: ModelSource,
+                 runtime: str = "torch") -> VocabBridge | None:
     """The bridge the draft method drafts through where the draft's tokenizer is not the
     target's (None where they agree on every token/id pair); from the tokenizers alone, before
-    any weights load. Raises ModelError for a draft it cannot bridge."""
-    if draft.config is None:
-        raise ModelError(f"draft {draft.name!r}: its architecture is not supported "
-                         "(supported: llama, qwen2)")
+    any weights load. Raises ModelError for a draft it cannot bridge, or one `runtime` cannot
+    run (an architecture our torch model lacks, as Gemma 3's, runs on llama.cpp only)."""
+    if draft.config is None and runtime != "llama.cpp":
+        raise ModelError(f"draft {draft.name!r}: its architecture is not supported by the "
+                         f"{runtime} runtime (supported: llama, qwen2); --runtime llama.cpp "
+                         "runs it")
     size = target.config.vocab_size if target.config else len(target.tokenizer.vocab)
-    return vocab_bridge(target.tokenizer, draft.tokenizer, size, draft.config.vocab_size)
+    draft_size = (draft.config.vocab_size if draft.config else
+                  draft.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True))
+    return vocab_bridge(target.tokenizer, draft.tokenizer, size, draft_size)
 
 
 def load_draft(target: ModelSource, draft: ModelSource, load: LoadConfig) -> Runtime:
     """The draft model's runtime for `target`: the pair checked before any weights load (a
     draft of another vocabulary must be bridgeable: `draft_bridge`), then the draft in
     load.draft_dtype, cut to load.draft_vocab tokens if asked (one vocabulary only)."""
-    bridge = draft_bridge(target, draft)
+    bridge = draft_bridge(target, draft, load.runtime)
     if bridge is not None and load.draft_vocab > 0:
         raise ModelError("a reduced draft vocabulary (--draft-vocab) needs a draft with the "
                          "target's tokenizer")
@@ -161,7 +166,7 @@ class Engine:
                              "(supported: llama, qwen2)")
         draft_src = open_model(draft) if draft and spec.uses_draft else None
         draft_rt = load_draft(target_src, draft_src, load) if draft_src else None
-        bridge = draft_bridge(target_src, draft_src) if draft_src else None  # (cached)
+        bridge = draft_bridge(target_src, draft_src, load.runtime) if draft_src else None
         target_rt = target_src.load(dtype=load.dtype, device=load.device, context=load.context,
                                     runtime=load.runtime)
         if load.invariant:

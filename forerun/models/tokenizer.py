@@ -159,6 +159,26 @@ def tokenizer_from_gguf(fields: dict) -> TextTokenizer:
                          bool(fields.get("tokenizer.ggml.add_bos_token", False)), frozenset(stops))
 
 
+def tokenizer_from_gguf_sentencepiece(path: Path) -> TextTokenizer | None:
+    """A SentencePiece tokenizer (GGUF `tokenizer.ggml.model` llama, as Gemma's) rebuilt by
+    transformers' GGUF converter, where transformers is installed (None where it is not): read
+    for drafting across vocabularies (forerun.propose.cross_vocab), never to run the model."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            convert_gguf_tokenizer,
+            get_gguf_tokenizer,
+        )
+    except ImportError:
+        return None
+    arch, spec, config = get_gguf_tokenizer(str(path))
+    tok, _ = convert_gguf_tokenizer(arch, spec)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    stops = {vocab[t] for t in (config.get("eos_token"), "<end_of_turn>", "<|im_end|>")
+             if t is not None and t in vocab}
+    return TextTokenizer(tok, None, config.get("bos_token"), config.get("eos_token"),
+                         bool(config.get("add_bos_token")), frozenset(stops))
+
+
 def tokenizer_from_hf_dir(path: Path) -> TextTokenizer:
     """Load tokenizer.json and tokenizer_config.json (chat template, special tokens)."""
     tok_file = path / "tokenizer.json"

@@ -58,6 +58,10 @@ def magicdec_proposer(cfg: MagicDecConfig, ctx: ProposerContext) -> MagicDecProp
         raise ValueError("magicdec with --magicdec-drafter draft needs a draft model (--draft), "
                          "drafting one sequence at a time (not in a batch); or use "
                          "--magicdec-drafter self")
+    if cfg.drafter == "draft" and ctx.bridge is not None:
+        raise ValueError("magicdec drafts with a draft model of the target's vocabulary; this "
+                         "draft's tokenizer differs: use --method draft, or --magicdec-drafter "
+                         "self")
     base = ctx.target if cfg.drafter == "self" else ctx.draft
     if not isinstance(base, TorchRuntime):
         raise ValueError(f"magicdec drafts from a sparse KV cache of the torch model's own; its "
