@@ -191,6 +191,8 @@ def test_the_bridge_maps_bytes_shared_tokens_and_rows():
     out = bridge.scatter(row)  # [V]
     assert out[t("ab")] == float("-inf")
     assert all(out[t(c)] == row[d(c)] for c in "abc")
+    assert sorted(bridge.extensions(b"c").tolist()) == sorted([d("c"), d("ca")])  # healing
+    assert bridge.extensions(b"bc").tolist() == [d("bc")]
     assert vocab_bridge(TLI_TARGET, TLI_TARGET, 4) is None  # one vocabulary: no bridge
     assert vocab_bridge(TLI_TARGET, TLI_DRAFT, 4, 5) is bridge  # built once per pair
 

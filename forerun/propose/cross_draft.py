@@ -5,11 +5,12 @@ target's drafts for it through a `VocabBridge` (forerun.propose.cross_vocab).
   continues the target's text greedily in its own tokens; the target's tokenizer re-tokenizes
   that text and its first k target tokens are the draft (q = None: verified against the
   target's argmax). Token boundaries: at the start, the draft's context is the target's whole
-  text re-tokenized by the draft's tokenizer, so the draft continues from exactly where the
-  target's text ends, whatever token boundary that splits in the draft's vocabulary; at the
-  end, the draft runs until its text makes k + 1 target tokens, and the last is dropped (the
-  text may stop inside it), unless the draft ended its reply (its stop token becomes the
-  target's end-of-sequence token).
+  text re-tokenized by the draft's tokenizer, its last token healed: left out, the draft's
+  first step chooses among the tokens that begin with its text (where the target's token ends
+  inside one of the draft's, say "):\n" before "\n    return", the draft goes on as it would
+  have tokenized the whole); at the end, the draft runs until its text makes k + 1 target
+  tokens, and the last is dropped (the text may stop inside it), unless the draft ended its
+  reply (its stop token becomes the target's end-of-sequence token).
 - Sampling: token-level intersection (TLI). Each step samples from the draft's q restricted to
   the tokens both vocabularies hold (`VocabBridge.scatter`, in target ids, shaped by the
   sequence's penalties, logit bias and grammar as the target's p is): one target token per
@@ -152,6 +153,8 @@ class _Job:
     steps: int  # draft-model steps it may still take
     feed: torch.Tensor  # [M] what its cache lacks before the next step's logits
     known: torch.Tensor | None = None  # [V_draft] the next step's row, kept from before
+    heal: torch.Tensor | None = None  # greedy: [E] the first step's choices (token healing),
+    healed: int = 0  # ... whose first this many bytes the target's text holds already
     tokens: list[int] = field(default_factory=list)  # greedy: draft ids; sampling: target ids
     q: list[torch.Tensor] = field(default_factory=list)  # sampling: [V] per token
     text: bytearray = field(default_factory=bytearray)  # greedy: the drafted text
@@ -192,6 +195,14 @@ def _start(bridge: VocabBridge, passes: DraftPasses, r: DraftRequest) -> _Job | 
     steps = min(steps, passes.room(member) - len(ids))
     if steps < 1:
         return None
+    heal, healed = None, 0
+    if r.sampling.greedy and len(ids) > 1 + len(bridge.draft_bos) and \
+            ids[-1] not in bridge.draft_special:
+        heal = bridge.extensions(bridge.draft_bytes[ids[-1]])  # [E]: itself and longer ones
+        if len(heal) > 1:  # the draft re-chooses the context's last token among them
+            healed, ids = len(bridge.draft_bytes[ids[-1]]), ids[:-1]
+        else:
+            heal = None
     common = 0
     limit = min(len(ids), len(state.cached))
     while common < limit and ids[common] == state.cached[common]:
@@ -201,18 +212,22 @@ def _start(bridge: VocabBridge, passes: DraftPasses, r: DraftRequest) -> _Job | 
         common = min(common, len(ids) - 1)  # the last token fed again: its row is wanted
     passes.truncate(member, common)
     del state.cached[common:]
-    return _Job(r, steps, torch.tensor(ids[common:], dtype=torch.long), known)
+    return _Job(r, steps, torch.tensor(ids[common:], dtype=torch.long), known, heal, healed)
 
 
 def _greedy_step(bridge: VocabBridge, j: _Job, row: torch.Tensor) -> None:
     """The draft's argmax, in its own tokens, until its text makes k + 1 target tokens."""
-    token = int(row.argmax())
+    if j.heal is not None:  # only tokens that begin with the healed one's text
+        token, j.heal = int(j.heal[row[j.heal].argmax()]), None
+    else:
+        token = int(row.argmax())
     j.steps -= 1
     if token in bridge.draft_stops:
         j.ended = j.done = True
         return
     j.tokens.append(token)
-    j.text += bridge.draft_bytes[token]
+    j.text += bridge.draft_bytes[token][j.healed:]
+    j.healed = 0
     j.feed = torch.tensor([token])
     j.done = j.steps == 0 or len(bridge.to_target(bytes(j.text))) > j.request.k
 

@@ -9,7 +9,8 @@ built once per pair of tokenizers (`vocab_bridge`, cached) from text alone, neve
   The text of any token sequence is then the concatenation of its tokens' bytes, exactly, even
   where a token ends inside a UTF-8 character;
 - the text bridge: text -> the draft's tokens (the draft's context, `to_draft`), text -> the
-  target's tokens (a greedy draft's proposal, `to_target`);
+  target's tokens (a greedy draft's proposal, `to_target`), and the draft's tokens that extend
+  a given text (`extensions`: token healing at the context's end);
 - the token-level intersection (TLI, Timor et al., ICML 2025): the target ids whose token the
   draft's vocabulary holds with the same bytes (special tokens matched to special tokens by
   their text, and the draft's end-of-sequence token to the target's), one draft id for each.
@@ -24,7 +25,8 @@ nothing here can change the output, only how often a draft is accepted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_left
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -96,6 +98,9 @@ class VocabBridge:
     draft_stops: frozenset[int]  # the draft's end-of-sequence ids
     target_eos: int | None  # the target's end-of-sequence id (where a draft's stop maps to)
     draft_bos: list[int]  # what the draft's tokens of a text start with (its BOS, if it adds one)
+    draft_special: frozenset[int]  # the draft's special tokens (never healed)
+    by_prefix: tuple[list[bytes], list[int]]  # the draft's tokens' bytes, sorted, and their ids
+    _extensions: dict[bytes, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def target_size(self) -> int:
@@ -117,6 +122,17 @@ class VocabBridge:
         while end > 0 and _complete(data[:end]) is None:
             end -= 1
         return self.target.tokenizer.encode(data[:end].decode(), add_special_tokens=False).ids
+
+    def extensions(self, prefix: bytes) -> torch.Tensor:
+        """The draft ids whose bytes start with `prefix` [E] (token healing: the draft
+        re-chooses the context's last token among those), cached."""
+        if prefix not in self._extensions:
+            keys, ids = self.by_prefix
+            lo = hi = bisect_left(keys, prefix)
+            while hi < len(keys) and keys[hi].startswith(prefix):
+                hi += 1
+            self._extensions[prefix] = torch.tensor(ids[lo:hi], dtype=torch.long)
+        return self._extensions[prefix]
 
     def scatter(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., V_draft] -> [..., V]: each shared token's logit at its target id,
@@ -188,7 +204,14 @@ def _build(target: TextTokenizer, draft: TextTokenizer, target_size: int,
                        torch.tensor([d for _, d in shared], dtype=torch.long), draft_of,
                        frozenset(draft.stop_ids) | ({draft_eos} if draft_eos is not None
                                                     else frozenset()), target_eos,
-                       [draft_bos] if draft.add_bos and draft_bos is not None else [])
+                       [draft_bos] if draft.add_bos and draft_bos is not None else [],
+                       draft_special, _sorted_by_bytes(draft_bytes, draft_special))
+
+
+def _sorted_by_bytes(table: list[bytes], special: frozenset[int]) -> tuple[list[bytes], list[int]]:
+    """The ordinary tokens' bytes in sorted order, and their ids (prefix lookups by bisection)."""
+    order = sorted((b, i) for i, b in enumerate(table) if b and i not in special)
+    return [b for b, _ in order], [i for _, i in order]
 
 
 def _id(tok: TextTokenizer, text: str | None) -> int | None:
