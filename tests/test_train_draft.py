@@ -113,6 +113,29 @@ def test_an_hf_source_gives_a_gguf_with_its_tokenizer(tmp_path):
                           folder.load(dtype="float64").forward(tokens).logits, atol=1e-4)
 
 
+def test_questions_are_answered_by_the_target_and_held_out_prompts_evaluated(tmp_path):
+    """--questions: the target's replies are the fixed continuations (kept in replies.json,
+    reused by a second run); --held-out: prompts answered for the figures, never trained on."""
+    target, draft = pair(tmp_path)
+    asked, held = tmp_path / "asked.jsonl", tmp_path / "held.jsonl"
+    asked.write_text("".join(json.dumps({"prompt": f"question {i}: the fox?"}) + "\n"
+                             for i in range(4)))
+    held.write_text("".join(json.dumps({"prompt": f"held {i}"}) + "\n" for i in range(6)))
+    out = tmp_path / "out"
+    args = ["train", "draft", "--target", str(target), "--draft", str(draft), "--dtype",
+            "float64", "--draft-dtype", "float64", "--train-dtype", "float32", "--chat", "0",
+            "--questions", str(asked), "--held-out", str(held), "--held-out-count", "3",
+            "--seq-len", "48", "--chat-tokens", "6", "--steps", "3", "--out", str(out),
+            "--json"]
+    assert cli.main(args) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["examples"] == 4 and report["held_out_examples"] == 3
+    replies = json.loads((out / "replies.json").read_text())
+    assert len(replies) == 4 + 3 and all(0 < len(r) <= 6 for r in replies.values())
+    assert cli.main(args) == 0  # resumed: the checkpoint's steps are done, the replies kept
+    assert json.loads((out / "replies.json").read_text()) == replies
+
+
 def test_training_resumes_where_it_stopped(tmp_path, monkeypatch):
     """A run broken after its first checkpoint and run again ends with the weights of an
     unbroken run (each step's data depends on its index alone)."""

@@ -60,6 +60,7 @@ def student_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
+@torch.autocast("cpu", enabled=False)  # one row a step reads the weights: casting them costs more
 def sample(model: Transformer, prompt: list[int], n: int, temperature: float,
            generator: torch.Generator, stop_ids: frozenset[int]) -> list[int]:
     """Up to `n` tokens the model samples after `prompt` (greedy at temperature 0), ending with a
