@@ -16,6 +16,7 @@ al., 2024). The optimizer, schedule and checkpoints are `loop.fit`'s; saving is 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -230,6 +231,11 @@ def examples(replier, cfg: TrainConfig, out: Path, held_questions: tuple[str, ..
     return split(pool, cfg.held_out)
 
 
+def _digest(examples: list[Example]) -> str:
+    """Names a set of held-out examples (before.json is theirs alone)."""
+    return hashlib.sha1(json.dumps([asdict(e) for e in examples]).encode()).hexdigest()[:12]
+
+
 # --- the whole run ------------------------------------------------------------------------------
 
 def distil(model: Transformer, target: Runtime, train_set: list[Example],
@@ -244,10 +250,13 @@ def distil(model: Transformer, target: Runtime, train_set: list[Example],
     if not 0 <= cfg.student_mix <= 1 or cfg.lora_rank < 0 or cfg.temperature < 0:
         raise ValueError("need 0 <= --student-mix <= 1, --lora-rank >= 0, --temperature >= 0")
     out.mkdir(parents=True, exist_ok=True)
-    before_file = out / "before.json"
-    if not before_file.is_file():
-        before_file.write_text(json.dumps(held_out(model, target, held, progress)))
-    before = json.loads(before_file.read_text())
+    # measured once: a resumed run's model is no longer the one before training
+    before_file, key = out / "before.json", _digest(held)
+    kept = json.loads(before_file.read_text()) if before_file.is_file() else {}
+    if kept.get("held_out") != key:
+        kept = {"held_out": key, "figures": held_out(model, target, held, progress)}
+        before_file.write_text(json.dumps(kept))
+    before = kept["figures"]
     module = trainable(model, cfg.lora_rank, cfg.lora_alpha)
     student = model  # the same modules: peft wraps their linears in place
     steps = cfg.total_steps(len(train_set))
