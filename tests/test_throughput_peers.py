@@ -232,8 +232,18 @@ ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-def test_llama_server_peer_starts_sends_concurrently_and_stops(tmp_path):
+def test_llama_server_peer_runs_without_repacked_weights_on_amx_cpus(monkeypatch, tmp_path):
+    # upstream llama.cpp faults at start on AMX CPUs (forerun.runtime.llama_amx)
+    for amx in (True, False):
+        monkeypatch.setattr(tp, "cpu_has_amx", lambda amx=amx: amx)
+        peer = tp.LlamaServerPeer(tmp_path / "llama-server", tmp_path / "t.gguf", parallel=2)
+        assert ("--no-repack" in peer.command(1234)) == amx
+        assert peer.label().endswith("--no-repack") == amx
+
+
+def test_llama_server_peer_starts_sends_concurrently_and_stops(monkeypatch, tmp_path):
     pytest.importorskip("httpx")
+    monkeypatch.setattr(tp, "cpu_has_amx", lambda: False)
     binary = tmp_path / "llama-server"
     binary.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
     binary.chmod(0o755)

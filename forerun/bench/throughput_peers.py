@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
+from forerun.runtime.llama_amx import cpu_has_amx
+
 VLLM_VAR, LLAMA_VAR = "FORERUN_VLLM_PYTHON", "FORERUN_LLAMA_SERVER"
 RESULT_MARK = "FORERUN_RESULT "  # the line the embedded scripts print their JSON on
 KV_CACHE_GB = 4  # VLLM_CPU_KVCACHE_SPACE unless the caller's environment sets it
@@ -265,12 +267,21 @@ class LlamaServerPeer:
         return (cls(binary, model, draft, parallel, **kw) if binary else None), note
 
     def label(self) -> str:
-        return f"llama-server -np {self.parallel}" + (f" -md k={self.k}" if self.draft else "")
+        return (f"llama-server -np {self.parallel}" + (f" -md k={self.k}" if self.draft else "")
+                + (" --no-repack" if self.no_repack else ""))
+
+    @property
+    def no_repack(self) -> bool:
+        """Upstream llama.cpp faults at start on AMX CPUs (its tile configuration, see
+        forerun.runtime.llama_amx): there it runs without repacked weights (no AMX tiles)."""
+        return cpu_has_amx()
 
     def command(self, port: int) -> list[str]:
         cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(port),
                "-np", str(self.parallel), "-c", str(self.context_per_slot * self.parallel),
                "-t", str(self.threads), "-tb", str(self.threads), "--no-webui"]
+        if self.no_repack:
+            cmd.append("--no-repack")
         if self.draft:
             cmd += ["-md", str(self.draft), "--spec-type", "draft-simple",  # default: none
                     "--spec-draft-n-max", str(self.k)]
