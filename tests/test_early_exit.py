@@ -240,7 +240,7 @@ def test_bad_options_and_runtimes_fail_clearly():
     table = TableRuntime(TableModel(3, seed=0))  # Capabilities() as llama.cpp's
     with pytest.raises(ValueError, match="--runtime torch"):
         PROPOSERS["early-exit"](SpecConfig("early-exit"), ProposerContext(table))
-    assert default_layer(28) == 7 and default_layer(2) == 1
+    assert default_layer(28) == 8 and default_layer(2) == 1
 
 
 # --- sampling: the exact joint ----------------------------------------------------------------

@@ -186,7 +186,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-layer", type=int, default=None, metavar="E",
                    help="--method early-exit: the target's first E layers draft, writing the "
                         "target's own cache, and verification runs the layers above E only "
-                        "for them (default: a quarter of the layers)")
+                        "for them (default: 8 of 28 layers, the same share of others)")
     g.add_argument("--exit-adapter", default=None, metavar="FILE|none",
                    help="--method early-exit: the exit adapter (safetensors from `forerun "
                         "train early-exit`), or none (the target's norm and LM head alone); "

@@ -58,7 +58,7 @@ def add_parser(sub) -> None:
                                     "early-exit"])
     t.add_argument("--layer", type=int, default=None, metavar="E",
                    help="early-exit: the exit layer whose adapter is trained (default: the "
-                        "method's, a quarter of the layers); saved beside the model, where "
+                        "method's, 8 of 28 layers); saved beside the model, where "
                         "--method early-exit --exit-layer E finds it")
     t.add_argument("--max-tokens", type=int, default=TrainConfig.max_tokens,
                    help="data budget: target tokens to collect")

@@ -36,7 +36,9 @@ from forerun.runtime.torch_model import TorchRuntime
 
 STORE = "early-exit"  # the ProposerContext.stores key prefix of a sequence's draft
 ADAPTER_DIR = "early-exit"  # under forerun_home(): one safetensors per model file and layer
-DEFAULT_FRACTION = 0.25  # E = this share of the layers, for a model nobody swept
+# E = this share of the layers (8 of the default target's 28): the sweep's pick, the cheapest
+# exit whose trained adapter can pay (docs/results/2026-12-05-early-exit.md)
+DEFAULT_FRACTION = 0.29
 NO_ADAPTER = "none"
 
 
@@ -67,7 +69,7 @@ class EarlyExitConfig:
 
 
 def default_layer(n_layers: int) -> int:
-    """E for a model nobody swept: DEFAULT_FRACTION of its layers (7 of Qwen2.5's 28)."""
+    """E for a model nobody chose one for: DEFAULT_FRACTION of its layers (8 of 28)."""
     return max(1, min(n_layers - 1, round(DEFAULT_FRACTION * n_layers)))
 
 

@@ -91,9 +91,8 @@ class Capabilities:
     skip_layers: bool = False  # without_layers(skip, capacity) builds a draft of this model
     # with some layers left out, over the same weights (layer-skip self-speculation)
     resume_rows: bool = False  # forward(..., resume=Resume) starts a pass's first rows at a
-    # layer from given hidden states (early exit's KV reuse), and early_exit(layers, ...)
-    # builds the draft that computes them
-
+    # layer from given hidden states (early exit's KV reuse; the draft that computes them is
+    # forerun.runtime.early_exit.ExitDraft, over this runtime's cache)
 
     def exposes(self, layers: Collection[int]) -> bool:
         """Whether a forward can return the hidden states of these layers (-1 = final)."""
