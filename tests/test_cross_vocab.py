@@ -7,7 +7,8 @@ as its own draft under a permuted vocabulary has every draft accepted, greedy an
 sampled output has the target's exact joint under token-level intersection (chi-square at
 ALPHA against the enumerated joint: this file fails by chance with probability ALPHA); the
 bridge's maps (bytes, intersection, scatter) are what they say, for byte-level BPE and
-SentencePiece tokens; a pair that shares too few
+SentencePiece tokens; the draft's context spells the target's text through growth and
+rollbacks; a pair that shares too few
 tokens, or a tokenizer whose tokens cannot be read as text, fails clearly.
 """
 
@@ -250,3 +251,20 @@ def test_magicdec_refuses_a_draft_of_another_vocabulary():
     with pytest.raises(ValueError, match="tokenizer differs"):
         PROPOSERS["magicdec"](SpecConfig("magicdec"), ProposerContext(target, draft,
                                                                       bridge=bridge))
+
+
+def test_the_drafts_context_always_spells_the_targets_text():
+    """Re-tokenized after an anchor (the tokens far from the end kept), through growth and
+    rollbacks: the draft's tokens are always the target's text, byte for byte."""
+    from forerun.propose.cross_draft import CrossState
+
+    bridge = vocab_bridge(TARGET_TOK, DRAFT_TOK, vocab(TARGET_TOK), vocab(DRAFT_TOK))
+    state, rng = CrossState(bridge), random.Random(0)
+    tokens = TARGET_TOK.encode(PROMPT_TEXT)
+    for _ in range(200):
+        if rng.random() < 0.2:
+            del tokens[len(tokens) - rng.randrange(1, 4):]  # a rejected tail
+        tokens += [rng.randrange(vocab(TARGET_TOK)) for _ in range(rng.randrange(1, 4))]
+        ids = state.draft_ids(tokens)
+        assert b"".join(bridge.draft_bytes[i] for i in ids) == bridge.text(tokens)
+    assert state.anchor > 0  # the anchor moved: most of the text was not re-tokenized
