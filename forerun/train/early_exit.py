@@ -64,8 +64,12 @@ def window_loss(head: ExitHead, w: dict, layer: int) -> tuple[torch.Tensor, floa
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
     logits = head(h, ids)  # [T, U]
     if head.kept is not None:  # tokens outside its vocab: never the exit head's
-        logits = logits.masked_fill(~head.kept[ids], float("-inf"))
-    loss = -(p * logits.log_softmax(-1)).sum(-1).mean()
+        outside = ~head.kept[ids]  # [U]
+        logits = logits.masked_fill(outside, float("-inf"))
+        logp = logits.log_softmax(-1).masked_fill(outside, 0.0)  # p is 0 there: no 0 * -inf
+    else:
+        logp = logits.log_softmax(-1)  # [T, U]
+    loss = -(p * logp).sum(-1).mean()
     agree = (ids[logits.argmax(-1)] == top_ids[:, 0]).float().mean().item()
     return loss, agree
 
