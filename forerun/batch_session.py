@@ -34,7 +34,9 @@ from forerun.profile import LiveCurve
 from forerun.propose import AUTO_TREE, AUTO_TREE_MAX, PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.cross_draft import SharedCrossDraft
 from forerun.propose.draft_batch import SHARED_DRAFT, SharedDraftModel
+from forerun.runtime.base import Runtime
 from forerun.runtime.batch import PoolFull
+from forerun.runtime.torch_model import TorchRuntime
 from forerun.sampling import SamplingConfig, make_generator
 
 if TYPE_CHECKING:
@@ -255,10 +257,30 @@ class BatchSession:
         if self.engine.draft is None:
             raise ValueError("method 'draft' needs a draft model (--draft)")
         if self._draft is None:
-            view, bridge = self.engine.batch_view("draft", self.kv_budget_bytes), self.engine.bridge
+            # the draft reserves each member's worst case, which a target growing its regions
+            # (`lazy`) does not; another tokenizer counts other tokens: the whole budget then
+            bridge = self.engine.bridge
+            budget = self.kv_budget_bytes if bridge is not None or self.lazy else draft_budget(
+                self.engine.target, self.engine.draft, self.kv_budget_bytes)
+            view = self.engine.batch_view("draft", budget)
             self._draft = (SharedDraftModel(view, self.engine.target.config.vocab_size)
                            if bridge is None else SharedCrossDraft(view, bridge))
         return self._draft
+
+
+def kv_token_bytes(runtime: Runtime) -> int:
+    """KV-cache bytes one token takes in a runtime's batched pool: K and V of every layer, in
+    the torch model's dtype (llama.cpp: f16)."""
+    cfg = runtime.config
+    itemsize = runtime.dtype.itemsize if isinstance(runtime, TorchRuntime) else 2
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
+
+
+def draft_budget(target: Runtime, draft: Runtime, budget: int) -> int:
+    """The shared draft pool's bytes: room for as many tokens as the target's pool of `budget`
+    bytes holds (each member reserves the same slots in both), not `budget` again, which a
+    smaller draft would never fill (llama.cpp allocates its whole context at once)."""
+    return min(budget, budget // kv_token_bytes(target) * kv_token_bytes(draft))
 
 
 def _preemptible(seq: Sequence) -> bool:

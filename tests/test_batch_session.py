@@ -167,3 +167,25 @@ def test_lazy_regions_preempt_the_youngest_and_every_output_stays(method, temper
     assert session.preempted > 0
     if temperature == 0:
         assert roomy == [_solo(p, n) for p, n in zip(prompts, budgets, strict=True)]
+
+
+def test_the_shared_draft_pool_holds_the_target_pools_tokens_not_its_bytes():
+    # a one-layer draft under a two-layer target: half the bytes a token, the same tokens
+    from test_engine import word_tokenizer
+
+    from forerun import Engine
+
+    target = TorchRuntime(tiny_model(0), capacity=256)
+    draft = TorchRuntime(tiny_model(0, noise=0.05, n_layers=1), capacity=256)
+    engine = Engine.from_runtimes(target, word_tokenizer(), draft, SpecConfig("draft", 3))
+    session = BatchSession(engine, BUDGET)
+    seqs = [session.sequence(p, SamplingConfig(), 30, engine.spec) for p in PROMPTS[:3]]
+    outputs, session = drain(session, seqs)
+    pool = session._draft.runtime.pool
+    assert pool.slots == session.target.pool.slots
+    assert pool.slots * pool.bytes_per_token * 2 == BUDGET // session.target.pool.bytes_per_token \
+        * session.target.pool.bytes_per_token
+    assert outputs == [_solo(p, 30) for p in PROMPTS[:3]]
+    lazy = BatchSession(engine, BUDGET // 2, lazy=True)  # (regions grow: the draft's do not)
+    lazy.sequence(PROMPTS[0], SamplingConfig(), 30, engine.spec)
+    assert lazy._draft.runtime.pool.slots == 2 * lazy.target.pool.slots
