@@ -50,7 +50,8 @@ def llama_quantize(source: Path, destination: Path, qtype: str) -> None:
                          "'forerun[llama]'") from e
     init_backend()  # its log filter: only error lines
     params = C.llama_model_quantize_default_params()
-    params.ftype = getattr(C, QTYPES[qtype])
+    params.ftype = {"Q4_0": C.LLAMA_FTYPE_MOSTLY_Q4_0, "Q3_K": C.LLAMA_FTYPE_MOSTLY_Q3_K_M,
+                    "Q2_K": C.LLAMA_FTYPE_MOSTLY_Q2_K}[qtype]  # (QTYPES' names)
     params.allow_requantize = True  # the source may be quantized already (Q4_K_M)
     params.nthread = physical_cores()
     if C.llama_model_quantize(str(source).encode(), str(destination).encode(),
