@@ -11,6 +11,8 @@ time per token, and whether the output is plain's. Prints a table, writes JSON.
 
     flock /tmp/forerun-bench.lock python experiments/magicdec_long_context.py \
         --contexts ctx_2k,ctx_4k,ctx_8k --limit 1 --max-tokens 48 --out out/magicdec.json
+
+On a shared machine: OMP_NUM_THREADS=1 and --threads 1 (every method in the same process).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+import torch
 
 from forerun import Engine, LoadConfig
 from forerun.bench.long_context import prompt_text, rows
@@ -79,8 +83,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of the three runs a prompt; each keeps its fastest decode "
                         "(other jobs' bursts on a shared machine only slow a run down)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (0: torch's default); 1 survives other jobs on a shared "
+                        "machine (a 2-thread run loses 5-10x when a core is taken), and ratios "
+                        "in one process stay comparable")
     p.add_argument("--out", default="out/magicdec_long_context.json")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     categories = args.contexts.split(",")
     chosen = [r for c in categories for r in rows([c])[: args.limit]]
     texts = [prompt_text(r) for r in chosen]

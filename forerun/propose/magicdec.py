@@ -13,22 +13,32 @@ truncation) over the streaming view instead of a full cache.
 
 The torch runtime only: the view runs the torch model's own layers over its own cache. A
 llama.cpp model (whose KV cache the view cannot shape) fails with a clear error. In a batch
-each member drafts alone over its own view (`self`); the draft model, which a batch shares
-(`SHARED_DRAFT`), drafts one sequence at a time here and fails clearly in a batch.
+each member drafts alone over its own view (`self`); with the draft model, which a batch shares
+(`SHARED_DRAFT`: `SharedDraftModel` over a `BatchTorchRuntime`), the batch's magicdec members
+draft together, one pass per draft position, over a sparse view of that draft's cache pool
+(`forerun.runtime.streaming_batch.StreamingBatchRuntime`, kept in `ProposerContext.batch` under
+its own key per (sinks, window): a batch may mix `draft` and `magicdec` members, each group
+drafting in its own passes over the one pool).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from forerun.propose.base import ProposerContext
+from forerun.propose.base import Proposer, ProposerContext
+from forerun.propose.draft_batch import SHARED_DRAFT, PooledDraft, SharedDraftModel
 from forerun.propose.draft_model import DraftModelProposer
+from forerun.runtime.batch import BatchTorchRuntime
 from forerun.runtime.streaming import StreamingRuntime
+from forerun.runtime.streaming_batch import StreamingBatchRuntime
 from forerun.runtime.torch_model import TorchRuntime
 
 DEFAULT_SINKS = 4  # StreamingLLM's: four initial tokens hold most of the sink attention
 DEFAULT_WINDOW = 256  # MagicDec's smallest draft budget (its 256-512 KV budgets)
 DRAFTERS = ("draft", "self")
+# where a batch keeps its magicdec members' SharedDraftModel (over the sparse view of the
+# shared draft's pool) in ProposerContext.batch, followed by the sinks and the window
+SHARED_MAGICDEC = "magicdec draft"
 
 
 @dataclass(frozen=True)
@@ -52,12 +62,21 @@ class MagicDecProposer(DraftModelProposer):
     name = "magicdec"
 
 
-def magicdec_proposer(cfg: MagicDecConfig, ctx: ProposerContext) -> MagicDecProposer:
-    """The proposer of `cfg` for one sequence: the drafter's weights, a sparse cache of its own."""
+class PooledMagicDec(PooledDraft):
+    """A batch member drafting with the batch's draft model over its sparse view."""
+
+    name = "magicdec"
+
+
+def magicdec_proposer(cfg: MagicDecConfig, ctx: ProposerContext) -> Proposer:
+    """The proposer of `cfg` for one sequence: the drafter's weights, a sparse cache of its own;
+    for a batch member drafting with the batch's draft model, that model's sparse view."""
+    shared = None if ctx.batch is None else ctx.batch.get(SHARED_DRAFT)
+    if cfg.drafter == "draft" and shared is not None:
+        return _batch_member(cfg, ctx, shared)
     if cfg.drafter == "draft" and ctx.draft is None:
-        raise ValueError("magicdec with --magicdec-drafter draft needs a draft model (--draft), "
-                         "drafting one sequence at a time (not in a batch); or use "
-                         "--magicdec-drafter self")
+        raise ValueError("magicdec with --magicdec-drafter draft needs a draft model (--draft); "
+                         "or use --magicdec-drafter self")
     if cfg.drafter == "draft" and ctx.bridge is not None:
         raise ValueError("magicdec drafts with a draft model of the target's vocabulary; this "
                          "draft's tokenizer differs: use --method draft, or --magicdec-drafter "
@@ -69,3 +88,20 @@ def magicdec_proposer(cfg: MagicDecConfig, ctx: ProposerContext) -> MagicDecProp
     capacity = ctx.capacity or ctx.target.capacity
     view = StreamingRuntime(base, cfg.sinks, cfg.window, capacity)
     return MagicDecProposer(view, ctx.target.config.vocab_size)
+
+
+def _batch_member(cfg: MagicDecConfig, ctx: ProposerContext, shared) -> PooledMagicDec:
+    """A member's proposer over the batch's sparse view of its draft model (built at the first
+    member of these sinks and window)."""
+    if not (isinstance(shared, SharedDraftModel) and isinstance(shared.runtime,
+                                                                BatchTorchRuntime)):
+        raise ValueError("magicdec drafts from a sparse KV cache of the torch draft model's own, "
+                         "of the target's vocabulary; this batch's draft is "
+                         f"{type(shared).__name__} over {type(shared.runtime).__name__}: use "
+                         "--runtime torch and a draft of the target's tokenizer, or "
+                         "--magicdec-drafter self")
+    key = f"{SHARED_MAGICDEC} {cfg.sinks} {cfg.window}"
+    if key not in ctx.batch:
+        view = StreamingBatchRuntime(shared.runtime, cfg.sinks, cfg.window)
+        ctx.batch[key] = SharedDraftModel(view, shared.vocab_size)
+    return PooledMagicDec(ctx.batch[key], ctx.capacity or ctx.target.capacity)
