@@ -18,7 +18,8 @@ the process's resident memory before and after the draft's weights were built.
 
 Variants: `llama.cpp` (the target's GGUF on llama.cpp, as it is), `llama.cpp-Q2_K` (requantized
 first), `torch-int8`, `torch-w8a8`, `torch-int4` (torch targets); `Q4_0`, `Q3_K`, `Q2_K`
-(llama.cpp targets: the file requantized).
+(llama.cpp targets: the file requantized); `NAME:cost` runs it under the cost length policy
+(k = `--k` at most).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,7 +42,13 @@ REPS = 20
 TORCH_FORMS = {"torch-int8": (8, 16), "torch-w8a8": (8, 8), "torch-int4": (4, 16)}
 
 
-def variant_spec(name: str, k: int) -> SpecConfig:
+def variant_spec(variant: str, k: int) -> SpecConfig:
+    """`NAME` or `NAME:cost` (the cost length policy, k its cap)."""
+    name, _, policy = variant.partition(":")
+    return replace(_spec(name, k), policy=policy or "fixed")
+
+
+def _spec(name: str, k: int) -> SpecConfig:
     if name in TORCH_FORMS:
         bits, act = TORCH_FORMS[name]
         return SpecConfig("qspec", k, qspec_runtime="torch", qspec_bits=bits,
@@ -49,6 +57,31 @@ def variant_spec(name: str, k: int) -> SpecConfig:
         qtype = name.partition("-")[2] or None
         return SpecConfig("qspec", k, qspec_runtime="llama.cpp", qspec_type=qtype)
     return SpecConfig("qspec", k, qspec_runtime="llama.cpp", qspec_type=name)
+
+
+def target_copy(name: str, ftype: str, directory: Path) -> str:
+    """The target's GGUF re-expressed in llama.cpp's `ftype` (e.g. Q8_0: a higher-precision
+    file for a llama.cpp target whose requantized copies then draft), made once in
+    `directory`."""
+    import ctypes
+
+    from llama_cpp import llama_cpp as C
+
+    from forerun.models.load import open_model
+    from forerun.runtime.llama_cpp import init_backend, physical_cores
+
+    source = open_model(name).path
+    path = directory / f"{source.stem}-{ftype}.gguf"
+    if not path.is_file():
+        init_backend()
+        params = C.llama_model_quantize_default_params()
+        params.ftype = getattr(C, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+        params.allow_requantize, params.nthread = True, physical_cores()
+        directory.mkdir(parents=True, exist_ok=True)
+        if C.llama_model_quantize(str(source).encode(), str(path).encode(),
+                                  ctypes.byref(params)) != 0:
+            raise SystemExit(f"could not requantize {source} to {ftype}")
+    return str(path)
 
 
 def rss_bytes() -> int:
@@ -91,13 +124,18 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--workload", action="append", default=None,
                    help="as forerun bench's (default: spec_bench:1 and editeval:3)")
+    p.add_argument("--target-type", default=None, metavar="FTYPE",
+                   help="run the target re-expressed in this llama.cpp type (Q8_0: a "
+                        "higher-precision llama.cpp target), made once beside --out")
     p.add_argument("--out", default="out/qspec.json")
     args = p.parse_args()
     variants = args.variants.split(",")
-    engine = Engine(args.target, None, spec=SpecConfig("none"),
+    target = (target_copy(args.target, args.target_type, Path(args.out).parent / "targets")
+              if args.target_type else args.target)
+    engine = Engine(target, None, spec=SpecConfig("none"),
                     load=LoadConfig(args.dtype, runtime=args.runtime))
     memory, costs = {}, {}
-    for name in variants:  # build each draft once (kept in the engine's stores)
+    for name in dict.fromkeys(v.partition(":")[0] for v in variants):  # each draft once
         before = rss_bytes()
         start = time.perf_counter()
         proposer = PROPOSERS["qspec"](variant_spec(name, args.k), engine.proposers)

@@ -87,6 +87,15 @@ def test_the_copy_computes_its_dequantized_weights_and_shares_the_rest():
     expect = x.bfloat16().float() @ dequantized.T
     assert torch.allclose(q(x).float(), expect, atol=0.05 * expect.abs().max())
     assert q(x).dtype == torch.float64  # back in the activations' dtype
+    w4 = rt.model.layers[1].w_gate_up.weight  # [2F, D]
+    q4 = QuantLinear(w4, None, "int4")
+    groups = w4.float().view(w4.shape[0], -1, 32)  # [2F, G, 32]: a step per group
+    step = (groups.amax(-1) - groups.amin(-1)) / 15  # [2F, G]
+    x4 = torch.randn(3, w4.shape[1], dtype=torch.float64)
+    err = (q4(x4) - x4 @ w4.T).abs()  # [3, 2F]: at most half a step an input, and bf16
+    bound = 0.5 * (x4.abs() @ step.repeat_interleave(32, dim=1).T.double()) + 0.02 * (
+        x4.abs() @ w4.abs().T)
+    assert (err <= bound).all()
     with pytest.raises(ValueError, match="multiples of"):
         QuantLinear(torch.randn(16, 48), None, "int4")
 
