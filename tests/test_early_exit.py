@@ -186,6 +186,17 @@ def test_the_verify_pass_runs_the_lower_layers_for_the_last_draft_row_alone():
         hook.remove()
 
 
+def test_the_shared_draft_holds_no_cache_or_weights_of_its_own():
+    rt = tiny_runtime(0, n_layers=LAYERS)
+    draft = ExitDraft(rt, 2)
+    assert draft.k_cache.data_ptr() == rt.k_cache.data_ptr()  # the target's first 2 layers
+    assert draft.v_cache.data_ptr() == rt.v_cache.data_ptr() and len(draft.k_cache) == 2
+    assert [id(b) for b in draft.blocks] == [id(b) for b in rt.model.layers[:2]]
+    own = ExitDraft(rt, 2, shared=False, capacity=32)  # a batch member's: a cache of its own
+    assert own.k_cache.shape[:3] == (2, rt.config.n_kv_heads, 32)
+    assert own.k_cache.data_ptr() != rt.k_cache.data_ptr()
+
+
 def test_a_resumed_pass_equals_a_full_one():
     """The runtime seam alone: rows whose layer-E states and lower K/V came from a one-row pass
     each give a pass that resumes them the logits and cache of the full pass (float64)."""
