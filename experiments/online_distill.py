@@ -43,11 +43,12 @@ def stream(engine: Engine, prompts: list[str], worker: Worker, max_tokens: int,
     done = threading.Semaphore(0)
 
     def emit_for(i: int):
-        rec = out[i] = {"ids": [], "times": [], "drafted": 0, "accepted": 0}
+        rec = out[i] = {"ids": [], "gaps": [], "times": [], "drafted": 0, "accepted": 0}
 
         def emit(event) -> None:
             if isinstance(event, Delta):
                 rec["ids"] += event.token_ids
+                rec["gaps"] += [lp.top[0][1] - lp.top[1][1] for lp in event.step.logprobs or ()]
                 if event.token_ids:
                     rec["times"].append((event.step.time, len(event.token_ids)))
                 rec["drafted"], rec["accepted"] = (event.stats["drafted"],
@@ -63,7 +64,8 @@ def stream(engine: Engine, prompts: list[str], worker: Worker, max_tokens: int,
         for i, text in enumerate(prompts):
             slots.acquire()
             worker.submit([Job(engine.tokenizer.encode_prompt(text), SamplingConfig(),
-                               max_tokens, (), engine.spec, emit=emit_for(i))])
+                               max_tokens, (), engine.spec, emit=emit_for(i),
+                               logprobs=2)])  # the top-2 gap where runs part
         for _ in prompts:
             done.acquire()
     finally:
@@ -75,6 +77,14 @@ def stream(engine: Engine, prompts: list[str], worker: Worker, max_tokens: int,
     return out
 
 
+def parting(a: dict, b: dict) -> dict:
+    """The first position where two replies differ, and each run's top-2 gap (nats) there."""
+    at = next(i for i, (x, y) in enumerate(zip(a["ids"] + [-1], b["ids"] + [-2], strict=False))
+              if x != y)
+    gap = [round(r["gaps"][at], 4) if at < len(r["gaps"]) else None for r in (a, b)]
+    return {"position": at, "gap_first_run": gap[0], "gap_this_run": gap[1]}
+
+
 def summary(recs: list[dict]) -> dict:
     q = len(recs) // 4
     quarters = [recs[i * q:(i + 1) * q] for i in range(4)]
@@ -83,7 +93,7 @@ def summary(recs: list[dict]) -> dict:
     itl = [g for r in recs for g in r["itl"]]
     return {"acceptance_by_quarter": [round(x, 4) for x in rate],
             "last_over_first": round(rate[3] / rate[0], 3) if rate[0] else None,
-            "p50_itl_ms": round(1000 * statistics.median(itl), 2),
+            "p50_itl_ms": round(1000 * statistics.median(itl), 2) if itl else None,
             "tokens": sum(len(r["ids"]) for r in recs),
             "failed": sum(r.get("failed", False) for r in recs)}
 
@@ -140,8 +150,12 @@ def main() -> None:
                     "positions": d.buffer.added, "train_s": round(d.train_seconds, 1),
                     "trainer_bytes": d.nbytes}
         ids = [r["ids"] for r in recs]
-        run["same_output_as_first_run"] = None if first is None else ids == first
-        first = first or ids
+        if first is not None:  # where a reply parts from the first run's: both runs' top-2
+            # log-probability gaps there (bf16 passes of other shapes round differently)
+            run["same_output_as_first_run"] = ids == [r["ids"] for r in first]
+            run["parted"] = [parting(a, b) for a, b in zip(first, recs, strict=True)
+                             if a["ids"] != b["ids"]]
+        first = first or recs
         report["runs"][mode] = run
         print(mode, json.dumps(run), flush=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
