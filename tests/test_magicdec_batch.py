@@ -6,8 +6,9 @@ mixes magicdec, draft and plain members, admitted while others decode, on contex
 times longer than sinks + window; sampled members have the target's exact joint (chi-square,
 exact enumeration); every row of a pass attends to the sinks and its window and nothing else
 (the mask, checked against the definition), and a draft row reads sinks + window keys at any
-context (counted, not timed); with a window as long as the context the view's logits equal the
-dense runtime's to the bit; `forerun serve --method magicdec` with a draft model serves the
+context (counted, not timed); its logits equal the one-sequence view's (`StreamingRuntime`,
+which evicts) on a context ten windows long; with a window as long as the context they equal
+the dense runtime's to the bit; `forerun serve --method magicdec` with a draft model serves the
 openai client plain's greedy output.
 
 Statistical checks: 1 (the exact joint) at ALPHA = 1e-4: the file fails by chance with
@@ -39,6 +40,7 @@ from forerun.propose.base import DraftRequest
 from forerun.propose.draft_batch import SHARED_DRAFT, SharedDraftModel
 from forerun.propose.magicdec import SHARED_MAGICDEC, PooledMagicDec
 from forerun.runtime.batch import BatchTorchRuntime, PackedBatch
+from forerun.runtime.streaming import StreamingRuntime
 from forerun.runtime.streaming_batch import StreamingBatchRuntime
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator
 
@@ -226,3 +228,19 @@ def test_forerun_serve_runs_magicdec_with_the_draft_model(model_dirs, reference,
         proc.terminate()
         proc.wait(30)
     assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def test_the_batched_view_computes_what_the_one_sequence_view_computes():
+    """The sparse pass itself (keys gathered from the band, not only the mask): the batched
+    view's logits equal `StreamingRuntime`'s (its own cache, evicting) on a context ten
+    windows long, pass by pass, to float64 rounding."""
+    draft = tiny_runtime(0, noise=0.05)
+    view = StreamingBatchRuntime(BatchTorchRuntime(draft, BUDGET), SINKS, WINDOW)
+    alone = StreamingRuntime(draft, SINKS, WINDOW, pass_rows=8, rollback=8)
+    seq = view.add(150)
+    feeds = [LONG_PROMPT[:7], LONG_PROMPT[7:], *[[t] for t in LONG_PROMPT[:20]], [5, 6, 7]]
+    for tokens in feeds:
+        got = view.forward(PackedBatch.of([(seq, torch.tensor(tokens))])).logits
+        want = alone.forward(torch.tensor(tokens)).logits
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-10)
+    assert alone.evicted > SINKS and len(view.last_keys[0]) == SINKS + WINDOW + 2
