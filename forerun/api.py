@@ -210,6 +210,12 @@ class Engine:
         self._batches: dict[str, tuple[int, BatchRuntime]] = {}  # role -> (budget, its view)
         self._batch_curves: dict[str, ForwardCurve] = {}  # role -> its view's pass costs
 
+    def use_heads(self, heads: Heads) -> None:
+        """Draft with these heads from the next sequence on (a server's online-distilled
+        Medusa head, made after loading)."""
+        self.heads = heads
+        self.proposers = replace(self.proposers, heads=heads)
+
     def warm_up(self) -> int:
         """Record the target's and the draft model's static passes (CUDA graphs on a GPU) of
         every size now, not in a request's first steps; runtimes without them skip it (the
