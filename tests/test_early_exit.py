@@ -309,3 +309,36 @@ def test_training_the_adapter_brings_the_exit_head_closer_to_the_target(tmp_path
     rt2 = tiny_runtime(4, n_layers=LAYERS)
     got = decode(rt2, layer, 3, adapter=str(path))[0]
     assert got == plain(tiny_runtime(4, n_layers=LAYERS))
+
+
+def test_train_early_exit_command_then_generate_finds_the_adapter(tmp_path):
+    """`forerun train early-exit --layer 1` on a tiny HF target writes the adapter beside the
+    model; `forerun generate --method early-exit --exit-layer 1` finds it and equals plain."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
+
+    target = tmp_path / "target"
+    write_hf_dir(target, random_hf_weights(len(byte_tokens()), seed=0), byte_tokens())
+    env = {**os.environ, "FORERUN_HOME": str(tmp_path / "home")}
+    base = [sys.executable, "-m", "forerun.cli"]
+    common = ["--target", str(target), "--draft", str(target), "--dtype", "float32",
+              "--runtime", "torch"]
+    r = subprocess.run([*base, "train", "early-exit", "--layer", "1", *common, "--replies",
+                        "torch", "--max-tokens", "96", "--seq-len", "32", "--chat", "1",
+                        "--chat-tokens", "8", "--steps", "5", "--head-vocab", "0", "--json"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.splitlines()[-1])
+    out = Path(report["out"])
+    assert out.is_file() and out.is_relative_to(tmp_path / "home") and out.name.endswith(
+        "-exit1.safetensors")
+    r = subprocess.run([*base, "generate", *common, "--method", "early-exit", "--exit-layer", "1",
+                        "-k", "3", "--max-tokens", "12", "--raw", "--compare", "--json", "hello"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["identical"] is True
