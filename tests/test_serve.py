@@ -937,3 +937,20 @@ def test_calibration_at_start_up_measures_one_slot_once(model_dirs, monkeypatch)
     finally:
         worker.stop()
     assert len(measured) == 1
+
+
+def test_a_requests_speculation_keeps_every_methods_own_server_options():
+    """A request's `speculation` sets method, k, policy, n-gram sizes and shadow; every other
+    option (the tree, suffix, multi, lookahead, layer-skip, magicdec, qspec, early-exit) is
+    the server's, whichever method the request names."""
+    from forerun.serve.app import resolve_spec
+    from forerun.serve.protocol import Speculation
+
+    server = SpecConfig("draft", 4, tree=7, skip_layers=(1, 3), magicdec_sinks=2,
+                        magicdec_window=64, magicdec_drafter="self", qspec_bits=4,
+                        qspec_runtime="torch", exit_layer=2, exit_adapter="none",
+                        suffix_factor=2.0, lookahead_window=3)
+    for method in ("layer-skip", "magicdec", "qspec", "early-exit", "ngram"):
+        spec, _ = resolve_spec(Speculation(method=method, k=2, policy="cost"), server,
+                               has_draft=True)
+        assert spec == replace(server, method=method, k=2, policy="cost"), method

@@ -267,22 +267,11 @@ def resolve_spec(field: Speculation | None, default: SpecConfig, *, has_draft: b
         raise APIError(400, "shadow speculation needs a drafting method",
                        param="speculation.shadow")
     shadow = default.shadow if field.shadow is None else field.shadow
-    return SpecConfig(method, k, policy, ngram_min, ngram_max, default.tree,
-                      default.tree_topk, default.lookup and method in HEAD_KINDS,
-                      shadow and method != "none",
-                      suffix_cache_tokens=default.suffix_cache_tokens,
-                      suffix_factor=default.suffix_factor,
-                      suffix_min_prob=default.suffix_min_prob,
-                      suffix_cache_dir=default.suffix_cache_dir,
-                      multi_methods=default.multi_methods,
-                      multi_verifier=default.multi_verifier,
-                      lookahead_window=default.lookahead_window,
-                      lookahead_ngram=default.lookahead_ngram,
-                      lookahead_guesses=default.lookahead_guesses,
-                      lookahead_auto=default.lookahead_auto,
-                      qspec_runtime=default.qspec_runtime, qspec_bits=default.qspec_bits,
-                      qspec_activations=default.qspec_activations,
-                      qspec_type=default.qspec_type), field.stream_stats
+    # every method's own options (suffix, multi, lookahead, layer-skip, magicdec, qspec,
+    # early-exit, the tree) stay the server's
+    return replace(default, method=method, k=k, policy=policy, ngram_min=ngram_min,
+                   ngram_max=ngram_max, lookup=default.lookup and method in HEAD_KINDS,
+                   shadow=shadow and method != "none"), field.stream_stats
 
 
 class EventStream(StreamingResponse):
