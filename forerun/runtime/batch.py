@@ -404,11 +404,16 @@ class BatchTorchRuntime:
             rows, s = batch.rows_of(b), r.start + starts[b]
             T = rows.stop - rows.start
             kc[:, s:s + T], vc[:, s:s + T] = k[:, rows], v[:, rows]
-            keys, values = kc[:, r.start:s + T], vc[:, r.start:s + T]  # [Hkv, S_b, hd]
+            keys, values = self._member_kv(kc, vc, r.start, starts[b], T)  # [Hkv, S_b, hd]
             small = T <= SMALL_ATTENTION_ROWS and not layer.invariant
             outs.append(attend_rows(q[:, rows], keys, values, masks[b]) if small else
                         attend(q[:, rows], keys, values, masks[b], layer.invariant))  # [1,H,T,hd]
         return layer.finish(x, torch.cat(outs, dim=2))  # [N, D]
+
+    def _member_kv(self, kc: torch.Tensor, vc: torch.Tensor, base: int, start: int, T: int):
+        """The keys and values [Hkv, S_b, hd] a member's T rows at `start` attend to, in its
+        region at slot `base`: every slot up to and including them (a sparse view narrows it)."""
+        return kc[:, base:base + start + T], vc[:, base:base + start + T]
 
     @staticmethod
     def _positions(batch: PackedBatch, starts: list[int]) -> torch.Tensor:

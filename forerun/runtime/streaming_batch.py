@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 
 from forerun.runtime.base import Capabilities, ForwardOutput
-from forerun.runtime.batch import SMALL_ATTENTION_ROWS, BatchTorchRuntime, PackedBatch, Region
-from forerun.runtime.torch_model import attend, attend_rows
+from forerun.runtime.batch import BatchTorchRuntime, PackedBatch
 
 
 class StreamingBatchRuntime(BatchTorchRuntime):
@@ -80,23 +79,7 @@ class StreamingBatchRuntime(BatchTorchRuntime):
         mask = self.band_mask(start, T)
         return None if T == 1 and bool(mask.all()) else mask.to(device)
 
-    def _block(self, layer, i: int, x, cos, sin, batch: PackedBatch, regions: list[Region],
-               starts: list[int], masks):
-        """The dense block, each member's attention over its band of the region only."""
-        q, k, v = layer.qkv(x, cos, sin)  # [H, N, hd], [Hkv, N, hd], [Hkv, N, hd]
-        kc, vc = self.pool.k[i], self.pool.v[i]  # [Hkv, S, hd]
-        outs = []
-        for b, r in enumerate(regions):
-            rows, s = batch.rows_of(b), r.start + starts[b]
-            T = rows.stop - rows.start
-            kc[:, s:s + T], vc[:, s:s + T] = k[:, rows], v[:, rows]
-            keys, values = self._band_kv(kc, vc, r.start, starts[b], T)  # [Hkv, S_b, hd]
-            small = T <= SMALL_ATTENTION_ROWS and not layer.invariant
-            outs.append(attend_rows(q[:, rows], keys, values, masks[b]) if small else
-                        attend(q[:, rows], keys, values, masks[b], layer.invariant))  # [1,H,T,hd]
-        return layer.finish(x, torch.cat(outs, dim=2))  # [N, D]
-
-    def _band_kv(self, kc: torch.Tensor, vc: torch.Tensor, base: int, start: int, T: int):
+    def _member_kv(self, kc: torch.Tensor, vc: torch.Tensor, base: int, start: int, T: int):
         """The keys and values [Hkv, S_b, hd] of `band(start, T)` in a region at slot `base`:
         views when one span, else the sinks and the window joined (a copy of S_b slots)."""
         first = start - self.window + 1
