@@ -1,0 +1,285 @@
+"""The drafter worker of the asynchronous pipeline: a draft model in a process of its own,
+drafting ahead while the target verifies, and the message protocol between the two.
+
+Owns: the messages (`Prefill`, `Begin`, `Verdict`, `Shutdown` one way; `Ready`, `Drafted`,
+`Rooted`, `Failed` the other), the worker's loop (`serve`), and `DrafterProcess`, which starts it on
+its own cores and hands back its `Channel`. A Channel is anything with `send`, `poll` and
+`recv` of picklable objects (a multiprocessing Connection here; a Ray actor's queue could carry
+the same messages), so nothing here knows what sits at the other end.
+
+The loop: after `Begin` (the sequence so far, its sampling settings and a seed), the worker
+keeps extending the first-drafted line of its `AheadTree` (forerun.propose.reroot) one token a
+draft-model pass, sending each node as a `Drafted` message the moment it exists, until the line
+is `ahead` nodes past the root; between passes it reads what came in. A `Verdict` (the tokens
+committed behind the root: the accepted path and the bonus or recovered token) re-roots the
+tree exactly as the proposer re-roots its mirror; the line goes on where it was when the
+verdict kept its subtree (nothing to undo in the cache), else the cache is cut back to what
+the new sequence shares with it and drafting starts again from the new root. The worker
+answers each verdict with `Rooted`: every node sent before it was drafted in the old frame,
+every node after it in the new one, so the proposer re-roots its mirror at that point in the
+stream and the two trees stay the same tree (until then it drafts from a tentative re-rooting
+of what it has, which the worker's own, holding those nodes too, agrees with).
+
+Cache invariant: the draft runtime's cache holds `cached`, a prefix of `line` (the committed
+sequence, then the tokens along the tree's first-drafted line); a pass feeds the rest of `line`
+and drafts one token after it. Knows nothing of text, nor of the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from forerun.processors import process_row
+from forerun.propose.reroot import AheadNode, AheadTree
+from forerun.runtime.base import Runtime
+from forerun.sampling import SamplingConfig, logits_to_probs, make_generator, sample
+
+START_TIMEOUT_S = 600.0  # the most a worker may take to load its draft model and say Ready
+STOP_TIMEOUT_S = 5.0  # the most a worker is given to exit after Shutdown before it is killed
+FIRST_ROOT = -1  # the root's id after Begin; the n-th verdict's fresh root is FIRST_ROOT - n
+
+
+# proposer -> worker
+@dataclass(frozen=True)
+class Prefill:
+    session: int  # the sequence's number (messages about an older one are dropped)
+    prompt: list[int]
+
+
+@dataclass(frozen=True)
+class Begin:
+    session: int
+    tokens: list[int]  # the sequence so far: the prompt and the prefill's token (the root)
+    sampling: SamplingConfig
+    seed: int  # of the worker's own generator (its draws are never the verifier's)
+    ahead: int  # the most nodes drafted past the root
+
+
+@dataclass(frozen=True)
+class Verdict:
+    session: int
+    tokens: list[int]  # committed behind the root: the accepted path, then bonus or recovered
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# worker -> proposer
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+
+
+@dataclass(frozen=True)
+class Drafted:
+    session: int
+    node: int  # its id, global and fixed (see forerun.propose.reroot)
+    parent: int
+    token: int
+    q: Any = None  # [V] numpy array: the distribution it was drawn from; None = greedy
+
+
+@dataclass(frozen=True)
+class Rooted:
+    session: int
+    verdict: int  # the session's verdicts so far (this one included)
+    root: int  # the root's id after it
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+class Channel(Protocol):
+    def send(self, obj: Any) -> None: ...
+
+    def poll(self, timeout: float | None = 0.0) -> bool: ...
+
+    def recv(self) -> Any: ...
+
+
+class DrafterGone(RuntimeError):
+    """The worker died, failed, or closed its end."""
+
+
+def pin(cores: tuple[int, ...] | None) -> None:
+    """Run this process on `cores` with one compute thread per core (None: as it is)."""
+    if not cores:
+        return
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+
+
+class _Session:
+    """The sequence being drafted, and the worker's tree and cache for it."""
+
+    def __init__(self, runtime: Runtime, vocab_size: int, msg: Begin, prompt_length: int):
+        self.runtime, self.vocab_size, self.session = runtime, vocab_size, msg.session
+        self.sampling, self.ahead, self.prompt_length = msg.sampling, msg.ahead, prompt_length
+        self.generator = make_generator(msg.seed)
+        self.committed = list(msg.tokens)  # the sequence, its last token the root
+        self.tree = AheadTree(FIRST_ROOT)
+        self.verdicts, self.next_id = 0, 0
+
+    def depth(self) -> int:
+        return len(self.tree.tip()[1])
+
+    def verdict(self, tokens: list[int]) -> None:
+        self.verdicts += 1
+        self.tree = self.tree.reroot(tokens, FIRST_ROOT - self.verdicts)
+        self.committed.extend(tokens)
+
+    def draft_one(self, cached: list[int]) -> tuple[Drafted, list[int]]:
+        """One draft-model pass: the token after the first-drafted line -> its message, and
+        the tokens the cache holds after it. `cached`: those it holds before."""
+        tip, path = self.tree.tip()
+        line = [*self.committed, *path]
+        same = _common(cached, line)
+        if same < len(cached):  # the verdict dropped what the cache was built on
+            self.runtime.truncate(same)
+        missing = torch.tensor(line[same:], dtype=torch.long)  # [M >= 1]
+        logits = self.runtime.forward(missing, last_only=True).logits[-1]  # [V_draft]
+        logits = _to_vocab(logits, self.vocab_size)  # [V]
+        if self.sampling.processing.active:  # q shaped as the target's p is
+            logits = process_row(logits, self.sampling.processing, line, self.prompt_length)
+        q = None
+        if self.sampling.greedy:
+            token = int(logits.argmax(-1))
+        else:
+            probs = logits_to_probs(logits, self.sampling)  # [V]
+            token, q = int(sample(probs, self.generator)), probs
+        node = self.next_id
+        self.next_id += 1
+        self.tree.add(node, AheadNode(tip, token, q))
+        return Drafted(self.session, node, tip, token, None if q is None else _host(q)), line
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _host(q: torch.Tensor):
+    """q [V] as a numpy array, exactly (a half type widened to float32: no rounding)."""
+    if q.dtype in (torch.bfloat16, torch.float16):
+        q = q.float()
+    return q.cpu().numpy()
+
+
+def _to_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
+    """The draft's logits [V_draft] padded or cut to the target's vocabulary (one tokenizer)."""
+    if logits.shape[-1] >= size:
+        return logits[:size]
+    return torch.cat([logits, logits.new_full((size - logits.shape[-1],), float("-inf"))])
+
+
+def serve(channel: Channel, build: Callable[[], Runtime], vocab_size: int,
+          cores: tuple[int, ...] | None) -> None:
+    """The worker's loop: draft while there is room ahead and no message waits; block on the
+    channel otherwise. Ends on Shutdown, or when the other end is gone."""
+    pin(cores)
+    try:
+        runtime = build()
+    except Exception as e:  # a clear message for the proposer, not a silent exit
+        channel.send(Failed(f"the drafter could not load its model: {e}"))
+        return
+    channel.send(Ready(os.getpid()))
+    session: _Session | None = None
+    prompt: list[int] = []
+    cached: list[int] = []  # what the draft cache holds
+    current = -1  # the latest session Prefill named
+    try:
+        while True:
+            if session is not None and session.depth() < session.ahead and not channel.poll(0):
+                drafted, cached = session.draft_one(cached)
+                channel.send(drafted)
+                continue
+            msg = channel.recv()
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, Prefill):
+                current, prompt, session = msg.session, msg.prompt, None
+                runtime.truncate(0)
+                cached = []
+                if len(prompt) > 1:  # the prompt but its last token, as the sync drafter
+                    runtime.forward(torch.tensor(prompt[:-1]), last_only=True)
+                    cached = list(prompt[:-1])
+            elif isinstance(msg, Begin) and msg.session == current:
+                session = _Session(runtime, vocab_size, msg, len(prompt))
+            elif isinstance(msg, Verdict) and session is not None and \
+                    msg.session == session.session:
+                session.verdict(msg.tokens)
+                channel.send(Rooted(session.session, session.verdicts, session.tree.root))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the proposer's end is gone: nothing left to draft for
+    except Exception as e:
+        with contextlib.suppress(OSError):
+            channel.send(Failed(f"the drafter failed: {type(e).__name__}: {e}"))
+
+
+def _main(conn, build: Callable[[], Runtime], vocab_size: int,
+          cores: tuple[int, ...] | None) -> None:
+    serve(conn, build, vocab_size, cores)
+    conn.close()
+
+
+class DrafterProcess:
+    """A drafter worker in a spawned process pinned to `cores`; `build` (picklable: it runs in
+    the new process) makes its draft runtime there."""
+
+    def __init__(self, build: Callable[[], Runtime], vocab_size: int,
+                 cores: tuple[int, ...] | None = None, start_timeout: float = START_TIMEOUT_S):
+        ctx = multiprocessing.get_context("spawn")
+        self.channel, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_main, args=(child, build, vocab_size, cores),
+                                   daemon=True, name="forerun-drafter")
+        self.process.start()
+        child.close()  # only the worker holds its end: its death reads as EOF here
+        self.cores = cores
+        if not self.channel.poll(start_timeout):
+            self.close()
+            raise DrafterGone(f"the drafter worker did not start in {start_timeout:.0f} s")
+        try:
+            msg = self.channel.recv()
+        except EOFError:
+            msg = Failed(f"the drafter worker exited at start (code {self.process.exitcode})")
+        if not isinstance(msg, Ready):
+            self.close()
+            raise DrafterGone(msg.message if isinstance(msg, Failed) else f"unexpected {msg!r}")
+        self.pid = msg.pid
+        self.sessions = 0
+
+    def new_session(self) -> int:
+        """A sequence number no earlier proposer of this worker used (its stale messages, still
+        in the pipe, are told apart by it)."""
+        self.sessions += 1
+        return self.sessions
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def close(self) -> None:
+        """Ask the worker to exit; kill it if it does not."""
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.channel.send(Shutdown())
+            self.process.join(STOP_TIMEOUT_S)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        self.channel.close()
