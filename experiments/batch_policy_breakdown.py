@@ -32,8 +32,8 @@ def wrapped(log: collections.Counter, chosen: collections.Counter, target, view_
     choose, propose, forward = (BatchCostPolicy.choose, SharedDraftModel.propose,
                                 view_class.forward)
 
-    def counted_choose(self, members, caps, paid=None):
-        ks = choose(self, members, caps, paid)
+    def counted_choose(self, members, caps, paid=None, backlog=None, remaining=None):
+        ks = choose(self, members, caps, paid, backlog, remaining)
         chosen[sum(ks)] += 1
         return ks
 

@@ -342,7 +342,10 @@ def _propose_all(runtime: BatchRuntime, live: list[Sequence],
         for i in decoding]
     ks = (lengths.choose([id(live[i]) for i in decoding], caps,
                          [live[i].proposer is not None and live[i].proposer.runtime is not None
-                          for i in decoding]) if lengths is not None else
+                          for i in decoding],
+                         [_backlog(live[i]) for i in decoding],
+                         [live[i].max_new_tokens - live[i].emitted for i in decoding])
+          if lengths is not None else
           [min(c, live[i].policy.next_k()) if c else 0 for i, c in zip(decoding, caps,
                                                                         strict=True)])
     grouped: dict[int, tuple[BatchDrafter, list[tuple[int, DraftRequest]]]] = {}
@@ -373,6 +376,13 @@ def _propose_all(runtime: BatchRuntime, live: list[Sequence],
             drafts[i] = draft
     return [d if d is None else d.fit(_room(runtime, s)) for d, s in zip(drafts, live,
                                                                            strict=True)]
+
+
+def _backlog(s: Sequence) -> int:
+    """Tokens the member's shared drafter must feed before its next draft (`backlog`)."""
+    if s.proposer is None or s.proposer.group is None:
+        return 0
+    return s.proposer.group.backlog(s.proposer, s.tokens)
 
 
 def _room(runtime: BatchRuntime, s: Sequence) -> int:

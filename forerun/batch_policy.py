@@ -27,6 +27,11 @@ running ratio that scales `draft_round`. Calibration passes are clean (random to
 pass each); a served draft call also catches up the tokens the last verify accepted, reads
 q and masks, and shares the cores: what it really costs is what it must be priced at.
 
+A member whose shared draft model has not read its sequence (a newcomer's prompt, the tokens
+it decoded while at rest) pays that catch-up, one draft pass of that many rows, on its first
+draft token: priced (`BatchCostPolicy.catch_up`) spread over the steps it may still draft in,
+so a long prompt with a short reply left does not stall the batch for a draft that cannot pay.
+
 A member at k = 0 shows nothing of its acceptance, so a low estimate could keep it at 0 for
 good. The policy therefore reads each member's acceptance optimistically, its running rate
 plus EXPLORE / sqrt(evidence) (little evidence: a generous rate, so it drafts where drafting
@@ -45,6 +50,7 @@ from time import perf_counter
 
 import torch
 
+from forerun.policy import expected_tokens
 from forerun.profile import FILLER_SEED, LIVE_CLIP, LIVE_WEIGHT, ForwardCurve, LiveCurve
 from forerun.propose.base import AcceptanceEstimate
 from forerun.runtime.batch import BatchRuntime, PackedBatch
@@ -76,10 +82,13 @@ class BatchCost:
                    ) if ks else 0.0
 
     def choose(self, acceptance: list[float], caps: list[int],
-               paid: list[bool] | None = None, draft_scale: float = 1.0) -> list[int]:
+               paid: list[bool] | None = None, draft_scale: float = 1.0,
+               catch_up: list[float] | None = None) -> list[int]:
         """Every member's k (0..caps[b]) with the most expected tokens per second; `paid[b]`:
         member b's drafting runs the shared draft model (None: every member's does), whose
-        rounds cost `draft_scale` times `draft_round`."""
+        rounds cost `draft_scale` times `draft_round`; `catch_up[b]`: seconds member b's
+        first draft token costs on top of its round (its backlog fed to the draft model, its
+        share for this step)."""
         B = len(acceptance)
         k = [0] * B
         in_round = [0] * (max(caps, default=0) + 2)  # members drafting at each depth
@@ -97,6 +106,8 @@ class BatchCost:
                     m = in_round[depth]
                     extra = draft_scale * (self.draft_round(m + 1) - (
                         self.draft_round(m) if m else 0.0))
+                    if depth == 1 and catch_up is not None:
+                        extra += catch_up[b]
                 gain = acceptance[b] ** depth
                 r = (tokens + gain) / (self.verify(rows + 1) + drafting + extra)
                 if r > best_rate:
@@ -118,14 +129,31 @@ class BatchCostPolicy:
     draft_scale: float = 1.0  # running seen / priced seconds of the shared draft's calls
     draft_calls: int = 0
 
-    def choose(self, members: list[int], caps: list[int],
-               paid: list[bool] | None = None) -> list[int]:
+    def choose(self, members: list[int], caps: list[int], paid: list[bool] | None = None,
+               backlog: list[int] | None = None, remaining: list[int] | None = None
+               ) -> list[int]:
+        """Every member's k; `backlog[b]`: tokens member b's drafter must feed its model before
+        drafting (`BatchDrafter.backlog`), `remaining[b]`: the tokens it may still decode."""
         estimates = [self._estimate(m) for m in members]
-        ks = self.cost.choose([optimistic(e) for e in estimates], caps, paid, self.draft_scale)
+        rates = [optimistic(e) for e in estimates]
+        catch_up = None if backlog is None or remaining is None else [
+            self.catch_up(n, left, a, cap)
+            for n, left, a, cap in zip(backlog, remaining, rates, caps, strict=True)]
+        ks = self.cost.choose(rates, caps, paid, self.draft_scale, catch_up)
         for e, k in zip(estimates, ks, strict=True):
             if not k:  # at rest: its evidence ages, so it probes again in a while
                 e.age()
         return ks
+
+    def catch_up(self, backlog: int, remaining: int, acceptance: float, cap: int) -> float:
+        """The seconds of feeding `backlog` tokens to the draft model (one pass of that many
+        rows), spread over the steps the member may still draft in: it is paid once, and
+        every later step drafts on it. A newcomer's prompt (a few hundred rows of the draft
+        model) then keeps a short reply from drafting where it cannot pay that back."""
+        if not backlog or self.cost.draft_round is None:
+            return 0.0
+        steps = max(1.0, remaining / expected_tokens(acceptance, max(cap, 1)))
+        return self.draft_scale * self.cost.draft_round(backlog) / steps
 
     def observe_pass(self, rows: int, seconds: float) -> None:
         """A timed target pass over `rows` rows (its verify curve learns it, if live)."""

@@ -9,7 +9,9 @@ past R; a costly draft round drafts less; a member that is rarely accepted gets 
 that is; a new member is priced optimistically (it drafts where a prior-rate member would not),
 and one at rest after bad evidence comes back to drafting as its evidence ages; draft calls or
 target passes slower than calibrated, as served, reprice drafting (off), and calls back at the
-calibrated price bring it back; the calibration pass leaves the runtime's pool as it found it.
+calibrated price bring it back; a newcomer whose draft model has its prompt still to read
+drafts only where the tokens it has left pay for that catch-up; the calibration pass leaves
+the runtime's pool as it found it.
 """
 
 from __future__ import annotations
@@ -104,6 +106,21 @@ def test_draft_calls_slower_than_priced_turn_drafting_off_and_fast_ones_back_on(
         policy.observe_drafting([2], PAIR.drafting([2]))
     assert policy.draft_scale < 1.2 and policy.choose([1], [4])[0] > 0
     assert PAIR.drafting([3, 1, 0]) == pytest.approx(0.090 + 0.080 + 0.080)  # rounds of 2, 1, 1
+
+
+def test_a_newcomers_prompt_catch_up_is_priced_over_the_tokens_it_has_left():
+    """A member whose draft model has yet to read its 300-token prompt: with 8 tokens left,
+    that catch-up cannot pay back and the member does not draft; with 2,000 left it does,
+    as a member with nothing to catch up does. Members with no backlog are priced as before."""
+    policy = BatchCostPolicy(PAIR)
+    for _ in range(20):
+        policy.update(1, 4, 4)
+    ready = policy.choose([1], [4], backlog=[0], remaining=[8])
+    assert ready[0] > 0
+    assert policy.choose([1], [4], backlog=[300], remaining=[8]) == [0]
+    assert policy.choose([1], [4], backlog=[300], remaining=[2000])[0] > 0
+    assert policy.catch_up(300, 8, 1.0, 4) > policy.catch_up(300, 2000, 1.0, 4) > 0
+    assert policy.catch_up(0, 8, 1.0, 4) == 0.0
 
 
 def test_target_passes_slower_than_calibrated_reprice_the_verify_curve():

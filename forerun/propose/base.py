@@ -234,6 +234,13 @@ class BatchDrafter(Protocol):
         own generator."""
         ...
 
+    def backlog(self, proposer: Proposer, tokens: list[int]) -> int:
+        """Tokens of the proposer's sequence `tokens` that its next draft must first feed the
+        drafter's model (a newcomer's prompt, or what it decoded while it drafted nothing),
+        beyond the one a round feeds anyway; 0 where the drafter reads the target's features.
+        The batch's cost policy prices that catch-up before letting the member draft."""
+        ...
+
     def release(self, proposer: Proposer) -> None:
         """Forget the proposer's sequence and free what it held."""
         ...

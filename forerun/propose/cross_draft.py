@@ -316,6 +316,10 @@ class SharedCrossDraft:
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         return draft_rounds(self.bridge, self.passes, requests)
 
+    def backlog(self, proposer: PooledCrossDraft, tokens: list[int]) -> int:
+        """(Counted in the target's tokens: the draft's for the same text are about as many.)"""
+        return max(0, len(tokens) - len(proposer.state.target_ids) - 1)
+
     def release(self, proposer: PooledCrossDraft) -> None:
         if proposer.member >= 0:
             self.runtime.release(proposer.member)

@@ -101,6 +101,10 @@ class SharedDraftModel:
                 requests[i].proposer.root.keep(requests[i].tokens, logits[row])
         return {i: best[row] for row, i in enumerate(run)}
 
+    def backlog(self, proposer: PooledDraft, tokens: list[int]) -> int:
+        fed = self.runtime.length(proposer.handle) if proposer.handle >= 0 else 0
+        return max(0, len(tokens) - fed - 1)
+
     def release(self, proposer: PooledDraft) -> None:
         if proposer.handle >= 0:
             self.runtime.release(proposer.handle)

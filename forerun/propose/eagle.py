@@ -161,6 +161,9 @@ class SharedEagle:
         except StopIteration as done:
             drafts[i] = done.value
 
+    def backlog(self, proposer: HeadProposer, tokens: list[int]) -> int:
+        return 0  # the heads read the target's features: no model of their own to feed
+
     def release(self, proposer: HeadProposer) -> None:
         pass  # nothing of the member's to free: its cache is its proposer's
 

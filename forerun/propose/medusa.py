@@ -72,6 +72,9 @@ class SharedHeads:
         return [r.proposer.propose(r.tokens, r.k, r.sampling, r.generator, root=root)
                 for r, root in zip(requests, roots, strict=True)]
 
+    def backlog(self, proposer: HeadProposer, tokens: list[int]) -> int:
+        return 0  # the heads read the target's features: no model of their own to feed
+
     def release(self, proposer: HeadProposer) -> None:
         pass  # nothing of the member's to free
 

@@ -255,6 +255,10 @@ class MultiDrafter:
                     subs[i][j].commit(len(r.tokens) - 1)
         return [join(d, m.cfg.merges) for d, m in zip(drafts, multis, strict=True)]
 
+    def backlog(self, proposer: MultiProposer, tokens: list[int]) -> int:
+        return max((s.group.backlog(s, tokens) for s in proposer.unique if s.group is not None),
+                   default=0)
+
     def release(self, proposer: MultiProposer) -> None:
         for s in proposer.unique:
             if s.group is not None:
