@@ -4,7 +4,8 @@ Owns: the server's options (their defaults are named in `forerun.serve.limits`),
 allow-list it derives from the address, and the start-up: load, record CUDA graphs, calibrate
 the forward-time curves (unless --no-calibrate), serve. The web stack (FastAPI, uvicorn) is
 imported only when the command runs, so other commands start without it. Exits 1 when the worker
-gives up (repeated crashes), so that a supervisor restarts the process.
+gives up (repeated crashes), so that a supervisor restarts the process. With --ray the same
+server runs as replicas of a Ray Serve application (`forerun.cluster`, docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from pathlib import Path
 from rich.console import Console
 
 from forerun.api import DEFAULT_KV_BUDGET_BYTES, DEFAULT_MAX_TOKENS
-from forerun.commands.options import add_model_args, add_spec_args, load_engine
+from forerun.commands.options import (
+    add_model_args,
+    add_spec_args,
+    load_config,
+    load_engine,
+    spec_config,
+)
 from forerun.serve.limits import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_HOST,
@@ -134,6 +141,21 @@ def add_parser(sub) -> None:
                    help="a new head's number of Medusa heads (tokens a draft holds)")
     g.add_argument("--online-distill-vocab", type=int, default=16384, metavar="N",
                    help="a new head's reduced vocabulary (most frequent ids; 0 = all)")
+    g = s.add_argument_group("scale-out on Ray (pip install 'forerun[cluster]'; docs/cluster.md)")
+    g.add_argument("--ray", action="store_true",
+                   help="serve --replicas engine replicas as a Ray Serve application behind "
+                        "one endpoint at --host:--port; each replica is this server, with these "
+                        "limits. A request goes to the least loaded replica, or (prefix cache "
+                        "on) to the one holding its prompt's first block")
+    g.add_argument("--replicas", type=int, default=2, help="engine replicas (--ray)")
+    g.add_argument("--replica-cores", type=int, default=1,
+                   help="CPUs each replica reserves and runs its threads on (--ray)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="an existing Ray cluster (auto, HOST:6379); unset = a local one on "
+                        "127.0.0.1 of replicas x cores CPUs, stopped on exit")
+    g.add_argument("--ray-detach", action="store_true",
+                   help="with --ray-address: deploy (or rescale: another --replicas) and exit; "
+                        "the application keeps serving until `serve shutdown`")
     add_model_args(s)
     add_spec_args(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning",
@@ -168,6 +190,8 @@ def run(args) -> int:
     prefix_bytes = (kv_bytes // 4 if args.prefix_cache_gb is None
                     else int(args.prefix_cache_gb * 2**30))
     online = online_config(args)
+    if args.ray:
+        return run_on_ray(args, api_key, kv_bytes, prefix_bytes, err)
     engine = load_engine(args, err)
     distiller = None
     if online is not None:
@@ -216,6 +240,42 @@ def run(args) -> int:
     if worker.restarts > MAX_RESTARTS:
         err.print(f"[red]the worker crashed {worker.restarts} times; exiting[/]")
         return 1
+    return 0
+
+
+def run_on_ray(args, api_key: str | None, kv_bytes: int, prefix_bytes: int,
+               err: Console) -> int:
+    """--ray: deploy replicas of this server on a Ray cluster and serve until stopped."""
+    from forerun.cluster.deploy import serve_until_stopped
+    from forerun.cluster.spec import ClusterConfig, EngineRecipe, ReplicaSpec, WorkerSettings
+    from forerun.serve.app import ServeConfig
+    from forerun.serve.worker import LoadShedding
+
+    if args.online_distill:
+        raise ValueError("--online-distill trains one server's head: not with --ray")
+    if args.ray_detach and args.ray_address is None:
+        raise ValueError("--ray-detach needs --ray-address (a local cluster ends with this "
+                         "process)")
+    spec = spec_config(args)
+    recipe = EngineRecipe(args.target, args.draft if spec.uses_draft else None, spec,
+                          load_config(args))
+    settings = WorkerSettings(args.max_concurrent, args.max_queue, kv_bytes,
+                              args.max_batch_tokens, args.spec_policy, prefix_bytes,
+                              args.kv_reserve == "grow",
+                              LoadShedding(args.spec_reduce_above, args.spec_off_above),
+                              calibrate=not args.no_calibrate)
+    name = args.served_model_name or (Path(args.target).name if Path(args.target).exists()
+                                      else args.target)
+    config = ServeConfig(name, api_key, args.max_body_bytes, args.max_tokens_limit,
+                         args.max_tokens, allowed_hosts(args.host, args.port, args.allowed_host),
+                         args.metrics_auth)
+    cluster = ClusterConfig(args.replicas, args.replica_cores, args.ray_address, args.host,
+                            args.port, prefix_routing=prefix_bytes > 0)
+    err.print(f"deploying {args.replicas} replicas of {name!r} ({args.method}, "
+              f"{args.replica_cores} CPUs each) on "
+              f"{args.ray_address or 'a local Ray cluster'}; serving on "
+              f"http://{args.host}:{args.port}/v1 once they are up", highlight=False)
+    serve_until_stopped(ReplicaSpec(recipe, settings, config), cluster, detach=args.ray_detach)
     return 0
 
 
