@@ -9,6 +9,7 @@ live in `forerun.engine` and `forerun.reference` and know nothing of text.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, replace
@@ -28,6 +29,8 @@ from forerun.policy import POLICIES
 from forerun.profile import ForwardCurve
 from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.cross_vocab import VocabBridge, vocab_bridge
+from forerun.propose.disaggregate import DRAFTER, DraftRecipe, start_drafter
+from forerun.propose.drafter_worker import DrafterProcess, pin
 from forerun.reference import plain_decode
 from forerun.runtime.base import Runtime
 from forerun.runtime.batch import BatchRuntime, BatchTorchRuntime
@@ -156,6 +159,21 @@ def load_draft(target: ModelSource, draft: ModelSource, load: LoadConfig) -> Run
     return runtime
 
 
+def start_disaggregated(target: ModelSource, draft: ModelSource, source: str, spec: SpecConfig,
+                        load: LoadConfig) -> DrafterProcess:
+    """--disaggregate: the draft model (`source`) in a worker process on its cores, and this
+    process, the target's, pinned to the others before the target loads (llama.cpp counts its
+    threads then)."""
+    if draft_bridge(target, draft, load.runtime) is not None or load.draft_vocab:
+        raise ModelError("--disaggregate needs a draft with the target's tokenizer and its "
+                         "full vocabulary")
+    recipe = DraftRecipe(source, load.draft_dtype, load.device, load.context, load.runtime)
+    worker, cores = start_drafter(recipe, target.config.vocab_size, spec.disaggregated(),
+                                  os.sched_getaffinity(0))
+    pin(cores)
+    return worker
+
+
 class Engine:
     def __init__(self, target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, *,
                  spec: SpecConfig | None = None, load: LoadConfig | None = None):
@@ -165,6 +183,10 @@ class Engine:
             raise ModelError(f"{target}: architecture not supported by the torch runtime "
                              "(supported: llama, qwen2)")
         draft_src = open_model(draft) if draft and spec.uses_draft else None
+        drafter = None
+        if spec.disaggregate and draft_src is not None:  # the draft loads in its own process
+            drafter = start_disaggregated(target_src, draft_src, draft, spec, load)
+            draft_src = None
         draft_rt = load_draft(target_src, draft_src, load) if draft_src else None
         bridge = draft_bridge(target_src, draft_src, load.runtime) if draft_src else None
         target_rt = target_src.load(dtype=load.dtype, device=load.device, context=load.context,
@@ -184,6 +206,9 @@ class Engine:
                                  f"{list(heads.cfg.layers)}; the {load.runtime} runtime exposes "
                                  "only the final one (-1): use --runtime torch")
         self._attach(target_rt, target_src.tokenizer, draft_rt, spec, heads, bridge)
+        if drafter is not None:
+            self.drafter = drafter
+            self.proposers.shared[DRAFTER] = drafter
         return_free_memory()  # loading's temporaries, freed but still mapped
 
     @classmethod
@@ -202,6 +227,7 @@ class Engine:
     def _attach(self, target, tokenizer, draft, spec, heads=None, bridge=None) -> None:
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
         self.heads = heads
+        self.drafter: DrafterProcess | None = None  # --disaggregate's worker (forks share it)
         self.bridge: VocabBridge | None = bridge  # the draft's vocabulary to the target's
         # what proposers are built from; its stores are this sequence's (forks get their own)
         # (its `shared`, the suffix method's index of earlier outputs, outlives every request)
@@ -229,6 +255,8 @@ class Engine:
         (vLLM's draft-model speculation beside forerun's bf16 pair overran 23 GiB)."""
         self._batches.clear()
         self._batch_curves.clear()
+        if self.drafter is not None:
+            self.drafter.close()
         self.target = self.draft = self.heads = self.proposers = None
         gc.collect()
 

@@ -253,3 +253,43 @@ def _broken() -> None:
 def test_a_drafter_that_cannot_load_fails_clearly():
     with pytest.raises(DrafterGone, match="could not load its model: no such model file"):
         DrafterProcess(_broken, 8)
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+def test_options_build_the_pipeline_spec_and_refuse_other_methods():
+    import argparse
+
+    from forerun.commands.options import add_spec_args, spec_config
+
+    parser = argparse.ArgumentParser()
+    add_spec_args(parser)
+    spec = spec_config(parser.parse_args(["--disaggregate", "--draft-cores", "1",
+                                          "--target-cores", "0", "--disaggregate-wait", "0.5"]))
+    assert spec.disaggregate and spec.disaggregated() == DisaggregateConfig((1,), (0,), 0.5)
+    with pytest.raises(ValueError, match="--method draft"):
+        spec_config(parser.parse_args(["--disaggregate", "--method", "ngram"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--draft-cores", "one"])
+
+
+def test_generate_disaggregated_equals_plain(tmp_path):
+    """`forerun generate --disaggregate --compare` in its own process (it pins its cores)."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
+
+    tokens = byte_tokens()
+    for name, seed in (("target", 0), ("draft", 1)):
+        write_hf_dir(tmp_path / name, random_hf_weights(len(tokens), seed), tokens)
+    cores = sorted(os.sched_getaffinity(0))
+    r = subprocess.run([sys.executable, "-m", "forerun.cli", "generate", "--target",
+                        str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                        "--dtype", "float32", "--draft-dtype", "float32", "--disaggregate",
+                        "--draft-cores", str(cores[-1]), "--max-tokens", "16", "--compare",
+                        "--json", "Write a sort."], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["identical"] and report["speculative"]["stats"]["method"] == "draft"

@@ -56,6 +56,7 @@ class BenchConfig:
     lookup: bool = False  # head methods: with the prompt-lookup branch
     repeats: int = 1  # rounds per prompt; each cell keeps its median-wall run
     suffix_index: tuple[str, ...] = ("warm",)  # suffix: a cell per state of the global index
+    disaggregate: bool = False  # draft: the asynchronous pipeline (the engine's drafter worker)
 
     def __post_init__(self):
         if self.repeats < 1:
@@ -74,12 +75,14 @@ class BenchConfig:
             head = m in HEAD_KINDS
             tree = self.tree if head else 0
             shown = "auto" if tree == AUTO_TREE else tree
+            apart = self.disaggregate and m == "draft"
             label = f"{m}{'+lookup' if head and self.lookup else ''} k={k}" + (
+                " disaggregated" if apart else "") + (
                 f" tree={shown}" if tree else "") + ("" if p == "fixed" else f" {p}") + (
                 f" {index}" if index else "")
             cold = {"suffix_cache_tokens": 0} if index == "cold" else {}
             return label, SpecConfig(m, k, p, tree=tree, tree_topk=self.tree_topk,
-                                     lookup=head and self.lookup, **cold)
+                                     lookup=head and self.lookup, disaggregate=apart, **cold)
 
         return [(BASELINE, SpecConfig("none"))] + [
             spec(m, k, p, index) for m in self.methods for k in self.ks for p in self.policies

@@ -30,7 +30,7 @@ from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
 from forerun.bench.runner import INDEX_STATES, BenchConfig, encode, run_bench, runs_per_prompt
 from forerun.bench.serve_bench import add_serve_args
 from forerun.bench.workloads import BUILTIN, Prompt, sample_workloads
-from forerun.commands.options import add_model_args, load_config
+from forerun.commands.options import add_model_args, cores_arg, load_config
 from forerun.models.load import open_model, resolve_dtype
 from forerun.profile import cached_curve
 from forerun.propose import SpecConfig, tree_budget
@@ -89,6 +89,14 @@ def add_parser(sub) -> None:
     b.add_argument("--tree-topk", type=int, default=4, help="head methods: children per node")
     b.add_argument("--lookup", action="store_true",
                    help="head methods: add the prompt-lookup continuation as one more branch")
+    b.add_argument("--disaggregate", action="store_true",
+                   help="methods mode: the draft method as an asynchronous pipeline, its "
+                        "draft model in a worker process on --draft-cores, the target (and so "
+                        "plain decoding) on --target-cores")
+    b.add_argument("--draft-cores", type=cores_arg, default=None, metavar="CPUS",
+                   help="--disaggregate: the drafter's CPU cores (default: the last one)")
+    b.add_argument("--target-cores", type=cores_arg, default=None, metavar="CPUS",
+                   help="--disaggregate: the target's (default: every other one)")
     b.add_argument("--repeats", type=int, default=1,
                    help="run every prompt's round of methods this many times (each in its own "
                         "order) and keep each method's median-wall run: for noisy machines")
@@ -140,7 +148,7 @@ def run(args) -> int:
                       temperatures=_csv(args.temperatures, float), policies=_csv(args.policies),
                       max_tokens=args.max_tokens, seed=args.seed, tree=args.tree,
                       tree_topk=args.tree_topk, lookup=args.lookup, repeats=args.repeats,
-                      suffix_index=_csv(args.suffix_index))
+                      suffix_index=_csv(args.suffix_index), disaggregate=args.disaggregate)
     cfg.cells()  # validates method names and k before anything loads
     load = load_config(args)
     if args.mode == "structured":
@@ -153,7 +161,10 @@ def run(args) -> int:
     wants_draft = curve or "draft" in cfg.methods[:1 if args.mode == "throughput" else None]
     with Console(stderr=True).status(f"loading {args.target}"):
         engine = Engine(args.target, args.draft if wants_draft else None,
-                        spec=SpecConfig("draft" if wants_draft else "none"), load=load)
+                        spec=SpecConfig("draft" if wants_draft else "none",
+                                        disaggregate=args.disaggregate and wants_draft,
+                                        draft_cores=args.draft_cores,
+                                        target_cores=args.target_cores), load=load)
     meta = _meta(args, load)
     if curve:
         return _verify_curve(engine, args, out, meta, console)

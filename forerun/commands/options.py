@@ -23,6 +23,7 @@ from forerun.models.requantize import QTYPES
 from forerun.policy import POLICIES
 from forerun.processors import Processing
 from forerun.propose import PROPOSERS, SpecConfig, tree_budget
+from forerun.propose.disaggregate import DEFAULT_WAIT_S, parse_cores
 from forerun.propose.layer_skip import parse_layers
 from forerun.propose.lookahead import DEFAULT_GUESSES, DEFAULT_NGRAM, DEFAULT_WINDOW
 from forerun.propose.magicdec import DEFAULT_SINKS as MAGICDEC_SINKS
@@ -103,7 +104,9 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       magicdec_drafter=args.magicdec_drafter,
                       exit_layer=args.exit_layer, exit_adapter=args.exit_adapter,
                       qspec_runtime=args.qspec_runtime, qspec_bits=args.qspec_bits,
-                      qspec_activations=args.qspec_activations, qspec_type=args.qspec_type)
+                      qspec_activations=args.qspec_activations, qspec_type=args.qspec_type,
+                      disaggregate=args.disaggregate, draft_cores=args.draft_cores,
+                      target_cores=args.target_cores, disaggregate_wait=args.disaggregate_wait)
 
 
 def load_engine(args: argparse.Namespace, console: Console | None = None) -> Engine:
@@ -142,6 +145,19 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="shadow speculation: draft and verify with --method, count what would "
                         "have been accepted (the stats), but emit one token a pass, as plain "
                         "decoding: measures a method's acceptance on real traffic first")
+    g.add_argument("--disaggregate", action="store_true",
+                   help="--method draft: the draft model drafts ahead in a worker process on "
+                        "cores of its own while the target verifies (an asynchronous pipeline; "
+                        "lossless, but a seed no longer reproduces a sampled run); one sequence "
+                        "at a time: serve falls back to drafting in process")
+    g.add_argument("--draft-cores", type=cores_arg, default=None, metavar="CPUS",
+                   help="--disaggregate: the drafter's CPU cores, as 1 or 2,3 or 2-3 "
+                        "(default: the last one)")
+    g.add_argument("--target-cores", type=cores_arg, default=None, metavar="CPUS",
+                   help="--disaggregate: the target's (default: every other one)")
+    g.add_argument("--disaggregate-wait", type=float, default=DEFAULT_WAIT_S, metavar="S",
+                   help="--disaggregate: the most a target pass waits for a first draft "
+                        "token before it runs plain (default: %(default)s)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix to look up")
     g.add_argument("--suffix-cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, metavar="N",
@@ -270,6 +286,13 @@ def _grammar(args: argparse.Namespace) -> Grammar | None:
         except OSError as e:
             raise ValueError(f"--{kind.replace('_', '-')} {value}: {e.strerror}") from e
     return Grammar(kind, value)
+
+
+def cores_arg(text: str) -> tuple[int, ...]:
+    try:
+        return parse_cores(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _bias(text: str) -> tuple[int, float]:

@@ -190,6 +190,10 @@ def run(args) -> int:
     prefix_bytes = (kv_bytes // 4 if args.prefix_cache_gb is None
                     else int(args.prefix_cache_gb * 2**30))
     online = online_config(args)
+    if args.disaggregate:  # the server batches its requests; one worker drafts one sequence
+        err.print("--disaggregate: the drafter worker drafts one sequence at a time and the "
+                  "server batches its requests; drafting in process instead", highlight=False)
+        args.disaggregate = False
     if args.ray:
         return run_on_ray(args, api_key, kv_bytes, prefix_bytes, err)
     engine = load_engine(args, err)
@@ -272,10 +276,17 @@ def run_on_ray(args, api_key: str | None, kv_bytes: int, prefix_bytes: int,
     cluster = ClusterConfig(args.replicas, args.replica_cores, args.ray_address, args.host,
                             args.port, prefix_routing=prefix_bytes > 0)
     err.print(f"deploying {args.replicas} replicas of {name!r} ({args.method}, "
-              f"{args.replica_cores} CPUs each) on "
-              f"{args.ray_address or 'a local Ray cluster'}; serving on "
-              f"http://{args.host}:{args.port}/v1 once they are up", highlight=False)
-    serve_until_stopped(ReplicaSpec(recipe, settings, config), cluster, detach=args.ray_detach)
+              f"{args.replica_cores} CPUs each) on {args.ray_address or 'a local Ray cluster'}",
+              highlight=False)
+
+    def ready(ray_cluster) -> None:
+        err.print(f"serving {name!r} from {args.replicas} replicas on "
+                  f"http://{args.host}:{args.port}/v1 (Ray cluster {ray_cluster.address}"
+                  f"{'; detached: `serve shutdown` removes it' if args.ray_detach else ''})",
+                  highlight=False)
+
+    serve_until_stopped(ReplicaSpec(recipe, settings, config), cluster,
+                        detach=args.ray_detach, on_ready=ready)
     return 0
 
 

@@ -14,6 +14,12 @@ from forerun.heads import Heads
 from forerun.profile import calibrated_curve
 from forerun.propose.base import Draft, Needs, Proposer, ProposerContext
 from forerun.propose.cross_draft import CrossVocabProposer
+from forerun.propose.disaggregate import (
+    DEFAULT_WAIT_S,
+    DRAFTER,
+    AsyncDraftProposer,
+    DisaggregateConfig,
+)
 from forerun.propose.draft_batch import SHARED_DRAFT
 from forerun.propose.draft_model import DraftModelProposer
 from forerun.propose.eagle import EagleProposer, shared_eagle
@@ -90,6 +96,11 @@ class SpecConfig:
     # forerun.propose.early_exit.default_layer)
     exit_adapter: str | None = None  # early-exit: the exit adapter's file, "none" (identity),
     # or None (the one `forerun train early-exit` saved for the target and E, else identity)
+    disaggregate: bool = False  # draft: the draft model drafts ahead in a worker process of its
+    # own while the target verifies (forerun.propose.disaggregate); one sequence at a time
+    draft_cores: tuple[int, ...] | None = None  # disaggregate: the worker's CPU cores
+    target_cores: tuple[int, ...] | None = None  # disaggregate: the target's
+    disaggregate_wait: float = DEFAULT_WAIT_S  # disaggregate: the most a pass waits for a draft
 
     def __post_init__(self):
         if self.method != "none" and self.method not in PROPOSERS:
@@ -108,6 +119,10 @@ class SpecConfig:
         self.magicdec()  # and magicdec's
         self.qspec()  # and qspec's
         self.early_exit()  # and early-exit's
+        self.disaggregated()  # and the pipeline's
+        if self.disaggregate and self.method != "draft":
+            raise ValueError(f"--disaggregate runs the draft model in a worker; --method "
+                             f"{self.method} drafts in process (use --method draft)")
         if "lookahead" in self.multi().methods:
             raise ValueError("multi: lookahead cannot join (its draft carries its Jacobi "
                              "window, which a merged tree would break); use --method lookahead")
@@ -138,6 +153,10 @@ class SpecConfig:
         """The early-exit method's own options."""
         return EarlyExitConfig(self.exit_layer, self.exit_adapter)
 
+    def disaggregated(self) -> DisaggregateConfig:
+        """The asynchronous pipeline's own options (placement, waiting)."""
+        return DisaggregateConfig(self.draft_cores, self.target_cores, self.disaggregate_wait)
+
     def qspec(self) -> QSpecConfig:
         """The qspec method's own options."""
         return QSpecConfig(self.qspec_runtime, self.qspec_bits, self.qspec_activations,
@@ -166,6 +185,12 @@ def tree_budget(text: str) -> int:
 
 
 def _draft(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
+    if spec.disaggregate:  # the engine's worker drafts ahead, in its own process
+        worker = None if ctx.shared is None else ctx.shared.get(DRAFTER)
+        if worker is None:
+            raise ValueError("--disaggregate needs the drafter worker an Engine starts for it "
+                             "(forerun.Engine with SpecConfig(disaggregate=True))")
+        return AsyncDraftProposer(worker, spec.disaggregated())
     shared = None if ctx.batch is None else ctx.batch.get(SHARED_DRAFT)
     if shared is not None:  # a batch member: the batch's draft model drafts for it and others
         return shared.proposer(ctx.capacity)
