@@ -44,6 +44,7 @@ from forerun.sampling import SamplingConfig, make_generator
 
 CONTEXT, REPS = 200, 15  # the one-token pass timings: cached tokens, repetitions
 CAPACITY = 4096
+WARMUP_PROMPT = 32  # the untimed first round's prompt: the first prompt's last tokens
 
 
 class TimedLlama(LlamaCppRuntime):
@@ -99,10 +100,11 @@ def main() -> None:
     ap.add_argument("--draft", default=DEFAULT_DRAFT)
     ap.add_argument("--prompts", type=int, default=4, help="EditEval prompts")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4, help="the synchronous loop's draft length")
+    ap.add_argument("--ks", default="4", help="the synchronous loop's draft lengths, a cell each")
     ap.add_argument("--async-k", type=int, default=8, help="the most a pipeline pass verifies")
     ap.add_argument("--ahead", type=int, default=16, help="the most the worker drafts ahead")
-    ap.add_argument("--wait", type=float, default=0.2, help="the most a pass waits, seconds")
+    ap.add_argument("--waits", default="0.2,0", help="the most a pipeline pass waits for a "
+                    "first draft token before it runs plain, seconds; a cell each")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
@@ -123,56 +125,62 @@ def main() -> None:
     vocab = target1.config.vocab_size
     worker = DrafterProcess(DraftRecipe(args.draft, context=CAPACITY, runtime="llama.cpp"),
                             vocab, draft_core)  # llama.cpp: one thread a pinned core
-    cfg = DisaggregateConfig(draft_core, target_core, wait_s=args.wait, ahead=args.ahead)
+    ks = [int(k) for k in args.ks.split(",")]
+    waits = [float(w) for w in args.waits.split(",")]
 
     def plain(ids):
         return plain_decode(target2, ids, greedy, args.max_tokens, stop, make_generator(0))
 
-    def sync(target, draft):
+    def sync(target, draft, k):
         def steps(ids):
-            return speculative_decode(target, DraftModelProposer(draft, vocab), FixedK(args.k),
+            return speculative_decode(target, DraftModelProposer(draft, vocab), FixedK(k),
                                       ids, greedy, args.max_tokens, stop, make_generator(0))
         return steps
 
-    rows, extra = [], []
+    rows: list[dict] = []
     try:
-        for prompt in prompts:
+        for n, prompt in enumerate([prompts[0], *prompts]):  # the first round warms up, untimed
             ids = tokenizer.encode_chat(list(prompt.messages))
-            round_ = [run("plain 2", target2, plain, ids),
-                      run("sync 2", target2, sync(target2, draft2), ids),
-                      run("sync 1+1", target1, sync(target1, draft1), ids)]
-            proposer = AsyncDraftProposer(worker, cfg)
-            pin(target_core)  # the target's process on its core while the pipeline runs
-            try:
-                asy = run("async 1+1", target1, lambda ids, p=proposer: speculative_decode(
-                    target1, p, FixedK(args.async_k), ids, greedy, args.max_tokens, stop,
-                    make_generator(0)), ids)
-            finally:
-                os.sched_setaffinity(0, cores)
-                torch.set_num_threads(len(cores))
-            asy |= {"waited_s": proposer.waited_s, "empty_passes": proposer.empty,
-                    "ahead_used": proposer.ahead_used, "failure": proposer.failure}
-            round_.append(asy)
+            if n == 0:
+                ids = ids[-WARMUP_PROMPT:]
+            round_ = [run("plain 2", target2, plain, ids)]
+            for k in ks:
+                round_.append(run(f"sync 2 k={k}", target2, sync(target2, draft2, k), ids))
+                round_.append(run(f"sync 1+1 k={k}", target1, sync(target1, draft1, k), ids))
+            for wait in waits:
+                cfg = DisaggregateConfig(draft_core, target_core, wait_s=wait, ahead=args.ahead)
+                proposer = AsyncDraftProposer(worker, cfg)
+                pin(target_core)  # the target's process on its core while the pipeline runs
+                try:
+                    asy = run(f"async 1+1 wait={wait:g}", target1, lambda ids, p=proposer:
+                              speculative_decode(target1, p, FixedK(args.async_k), ids, greedy,
+                                                 args.max_tokens, stop, make_generator(0)), ids)
+                finally:
+                    os.sched_setaffinity(0, cores)
+                    torch.set_num_threads(len(cores))
+                asy |= {"waited_s": proposer.waited_s, "empty_passes": proposer.empty,
+                        "ahead_used": proposer.ahead_used, "failure": proposer.failure}
+                round_.append(asy)
             for r in round_:
                 r["prompt"], r["identical"] = prompt.id, r["tokens"] == round_[0]["tokens"]
-                print(f"{prompt.id:>12} {r['config']:>10}: {r['tok_s']:6.2f} tok/s, decode "
+                print(f"{prompt.id:>12} {r['config']:>18}: {r['tok_s']:6.2f} tok/s, decode "
                       f"{r['decode_tok_s']:6.2f}, idle {r['target_idle']:.2f}, passes "
                       f"{r['passes']}, drafted {r['drafted']}, accepted {r['accepted']}, "
                       f"identical {r['identical']}", flush=True)
-            rows.extend(round_)
+            if n:
+                rows.extend(round_)
     finally:
         worker.close()
     summary = summarize(rows)
     for name, s in summary.items():
-        print(f"{name:>10}: {s['tok_s']:6.2f} tok/s (decode {s['decode_tok_s']:6.2f}), "
-              f"x plain {s['vs_plain']:.2f}, x sync 1+1 {s['vs_sync_1_1']:.2f}, x sync 2 "
-              f"{s['vs_sync_2']:.2f}, target idle {s['target_idle']:.3f}, identical "
-              f"{s['identical']}/{s['runs']}")
+        print(f"{name:>18}: {s['tok_s']:6.2f} tok/s (decode {s['decode_tok_s']:6.2f}), "
+              f"x plain {s['vs_plain']:.2f}, x best sync 1+1 {s['vs_best_sync_1_1']:.2f}, "
+              f"x best sync 2 {s['vs_best_sync_2']:.2f}, target idle {s['target_idle']:.3f}, "
+              f"identical {s['identical']}/{s['runs']}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "costs": costs,
-                                               "summary": summary, "runs": rows,
-                                               "extra": extra}, indent=1))
+                                               "summary": summary, "runs": rows}, indent=1))
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -186,11 +194,21 @@ def summarize(rows: list[dict]) -> dict:
         tokens = sum(r["new_tokens"] for r in mine)
         out[name] = {"tok_s": tokens / wall, "decode_tok_s": (tokens - len(mine)) / (wall - first),
                      "target_idle": 1 - busy / wall, "runs": len(mine),
-                     "identical": sum(r["identical"] for r in mine)}
+                     "identical": sum(r["identical"] for r in mine),
+                     "passes": sum(r["passes"] for r in mine),
+                     "drafted": sum(r["drafted"] for r in mine),
+                     "accepted": sum(r["accepted"] for r in mine)}
+        if "waited_s" in mine[0]:  # the pipeline's own figures
+            out[name] |= {"waited_share": sum(r["waited_s"] for r in mine) / wall,
+                          "empty_passes": sum(r["empty_passes"] for r in mine),
+                          "ahead_used": sum(r["ahead_used"] for r in mine)}
+    def best(prefix: str) -> float:
+        return max((s["tok_s"] for n, s in out.items() if n.startswith(prefix)), default=1e-9)
+
     for s in out.values():
-        for base, key in (("plain 2", "vs_plain"), ("sync 1+1", "vs_sync_1_1"),
-                          ("sync 2", "vs_sync_2")):
-            s[key] = s["tok_s"] / out[base]["tok_s"] if base in out else float("nan")
+        s["vs_plain"] = s["tok_s"] / out["plain 2"]["tok_s"]
+        s["vs_best_sync_1_1"] = s["tok_s"] / best("sync 1+1")
+        s["vs_best_sync_2"] = s["tok_s"] / best("sync 2 ")
     return out
 
 
