@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from forerun.cluster.ingress import ENGINE_DEPLOYMENT, Ingress
@@ -97,15 +98,18 @@ def stop(cluster: Cluster) -> None:
         ray.shutdown()
 
 
-def serve_until_stopped(spec: ReplicaSpec, config: ClusterConfig, detach: bool = False
-                        ) -> Cluster:
-    """Connect, deploy and (unless `detach`) serve until SIGINT/SIGTERM, then stop."""
+def serve_until_stopped(spec: ReplicaSpec, config: ClusterConfig, detach: bool = False,
+                        on_ready: Callable[[Cluster], None] | None = None) -> Cluster:
+    """Connect, deploy, call `on_ready` and (unless `detach`) serve until SIGINT/SIGTERM,
+    then stop."""
     cluster = connect(config)
     try:
         deploy(spec, config)
     except BaseException:
         stop(cluster)
         raise
+    if on_ready is not None:
+        on_ready(cluster)
     if detach:
         return cluster
     stopped = threading.Event()
