@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -66,6 +67,13 @@ def test_rank_keeps_a_key_on_its_replica_when_another_leaves():
     for k in keys:
         after = rank(k, [r for r in replicas if r != gone])[0]
         assert after == first[k] or first[k] == gone  # only the dead replica's keys move
+
+
+def test_serve_ray_detach_needs_an_address():
+    """A local cluster ends with the command, so there is nothing to detach from."""
+    out = subprocess.run([sys.executable, "-m", "forerun.cli", "serve", "--ray", "--ray-detach"],
+                         capture_output=True, text=True, timeout=HANG_S)
+    assert out.returncode == 2 and "--ray-detach needs --ray-address" in out.stderr
 
 
 @pytest.fixture(scope="module")
