@@ -7,7 +7,9 @@ For each prompt, in a round, greedy, `--max-tokens` new tokens:
   sync 1+1        the draft loop, each model on 1 thread (the cores split, taking turns)
   async 1+1       the pipeline: the drafter in a worker process pinned to the last core, the
                   target in this process pinned to the first, 1 thread each; a pass takes what
-                  is drafted (up to `--async-k`), waiting at most `--wait` for a first token
+                  is drafted (up to `--async-k`), waiting at most WAIT for a first token; with
+                  LOOKUP, each draft-model pass also checks that many prompt-lookup guesses
+                  (`--pipelines`)
 A run's tok/s is new tokens over wall time (prefill included); `decode tok/s` leaves the first
 token out. The target's idle share is 1 - (its passes' seconds) / wall, from a timed subclass
 of the runtime; for the pipeline also the seconds it waited for a first draft token, and the
@@ -103,8 +105,10 @@ def main() -> None:
     ap.add_argument("--ks", default="4", help="the synchronous loop's draft lengths, a cell each")
     ap.add_argument("--async-k", type=int, default=8, help="the most a pipeline pass verifies")
     ap.add_argument("--ahead", type=int, default=16, help="the most the worker drafts ahead")
-    ap.add_argument("--waits", default="0.2,0", help="the most a pipeline pass waits for a "
-                    "first draft token before it runs plain, seconds; a cell each")
+    ap.add_argument("--pipelines", default="0.2:0,0:0,0.2:8", metavar="WAIT:LOOKUP,...",
+                    help="pipeline cells: the most a pass waits for a first draft token "
+                    "before it runs plain (seconds), and the lookup guesses a draft pass "
+                    "checks (0: one token a draft pass)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
@@ -126,7 +130,7 @@ def main() -> None:
     worker = DrafterProcess(DraftRecipe(args.draft, context=CAPACITY, runtime="llama.cpp"),
                             vocab, draft_core)  # llama.cpp: one thread a pinned core
     ks = [int(k) for k in args.ks.split(",")]
-    waits = [float(w) for w in args.waits.split(",")]
+    pipelines = [(float(w), int(n)) for w, n in (c.split(":") for c in args.pipelines.split(","))]
 
     def plain(ids):
         return plain_decode(target2, ids, greedy, args.max_tokens, stop, make_generator(0))
@@ -147,12 +151,14 @@ def main() -> None:
             for k in ks:
                 round_.append(run(f"sync 2 k={k}", target2, sync(target2, draft2, k), ids))
                 round_.append(run(f"sync 1+1 k={k}", target1, sync(target1, draft1, k), ids))
-            for wait in waits:
-                cfg = DisaggregateConfig(draft_core, target_core, wait_s=wait, ahead=args.ahead)
+            for wait, lookup in pipelines:
+                cfg = DisaggregateConfig(draft_core, target_core, wait_s=wait, ahead=args.ahead,
+                                         lookup=lookup)
                 proposer = AsyncDraftProposer(worker, cfg)
                 pin(target_core)  # the target's process on its core while the pipeline runs
                 try:
-                    asy = run(f"async 1+1 wait={wait:g}", target1, lambda ids, p=proposer:
+                    label = f"async 1+1 wait={wait:g}" + (f" lookup={lookup}" if lookup else "")
+                    asy = run(label, target1, lambda ids, p=proposer:
                               speculative_decode(target1, p, FixedK(args.async_k), ids, greedy,
                                                  args.max_tokens, stop, make_generator(0)), ids)
                 finally:

@@ -155,10 +155,12 @@ def greedy_run(proposer: AsyncDraftProposer, prompt: list[int], k: int, n: int =
     return plain, steps
 
 
-def test_greedy_equals_plain_greedy():
+@pytest.mark.parametrize("lookup", [0, 6])
+def test_greedy_equals_plain_greedy(lookup):
     worker = spawn(noise=0.3)  # rejections: the worker starts again from new roots
     try:
-        proposer = AsyncDraftProposer(worker, DisaggregateConfig(wait_s=1.0, ahead=8))
+        proposer = AsyncDraftProposer(worker, DisaggregateConfig(wait_s=1.0, ahead=8,
+                                                                 lookup=lookup))
         for prompt, k in (([1, 2, 3, 4], 4), ([5, 9, 5, 9, 5], 2), ([7], 6)):
             plain, steps = greedy_run(proposer, prompt, k)
             assert [t for s in steps for t in s.tokens] == plain
@@ -168,11 +170,15 @@ def test_greedy_equals_plain_greedy():
         worker.close()
 
 
-def test_draft_equals_target_accepts_everything_drafted_ahead():
+@pytest.mark.parametrize("lookup", [0, 6])
+def test_draft_equals_target_accepts_everything_drafted_ahead(lookup):
+    """With lookup, the guesses the draft agrees with are its own greedy tokens: still all
+    accepted (a repeating prompt gives lookup something to guess)."""
     worker = spawn(noise=0.0)
     try:
-        proposer = AsyncDraftProposer(worker, DisaggregateConfig(wait_s=1.0, ahead=8))
-        plain, steps = greedy_run(proposer, [2, 7, 1, 8], 4)
+        proposer = AsyncDraftProposer(worker, DisaggregateConfig(wait_s=1.0, ahead=8,
+                                                                 lookup=lookup))
+        plain, steps = greedy_run(proposer, [2, 7, 1, 8, 2, 7, 1, 8, 2, 7], 4)
         assert [t for s in steps for t in s.tokens] == plain
         assert all(s.accepted == s.drafted for s in steps)
         assert proposer.ahead_used > 0  # nodes drafted while the target verified were used

@@ -106,7 +106,8 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       qspec_runtime=args.qspec_runtime, qspec_bits=args.qspec_bits,
                       qspec_activations=args.qspec_activations, qspec_type=args.qspec_type,
                       disaggregate=args.disaggregate, draft_cores=args.draft_cores,
-                      target_cores=args.target_cores, disaggregate_wait=args.disaggregate_wait)
+                      target_cores=args.target_cores, disaggregate_wait=args.disaggregate_wait,
+                      disaggregate_lookup=args.disaggregate_lookup)
 
 
 def load_engine(args: argparse.Namespace, console: Console | None = None) -> Engine:
@@ -158,6 +159,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disaggregate-wait", type=float, default=DEFAULT_WAIT_S, metavar="S",
                    help="--disaggregate: the most a target pass waits for a first draft "
                         "token before it runs plain (default: %(default)s)")
+    g.add_argument("--disaggregate-lookup", type=int, default=0, metavar="N",
+                   help="--disaggregate, greedy: each draft-model pass also checks up to N "
+                        "tokens prompt lookup guesses, drafting those its argmax agrees with "
+                        "(the same draft tokens, several a pass on copied text); 0 = off "
+                        "(default: %(default)s)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix to look up")
     g.add_argument("--suffix-cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, metavar="N",

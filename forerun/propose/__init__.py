@@ -101,6 +101,7 @@ class SpecConfig:
     draft_cores: tuple[int, ...] | None = None  # disaggregate: the worker's CPU cores
     target_cores: tuple[int, ...] | None = None  # disaggregate: the target's
     disaggregate_wait: float = DEFAULT_WAIT_S  # disaggregate: the most a pass waits for a draft
+    disaggregate_lookup: int = 0  # disaggregate, greedy: lookup guesses a draft pass checks
 
     def __post_init__(self):
         if self.method != "none" and self.method not in PROPOSERS:
@@ -155,7 +156,8 @@ class SpecConfig:
 
     def disaggregated(self) -> DisaggregateConfig:
         """The asynchronous pipeline's own options (placement, waiting)."""
-        return DisaggregateConfig(self.draft_cores, self.target_cores, self.disaggregate_wait)
+        return DisaggregateConfig(self.draft_cores, self.target_cores, self.disaggregate_wait,
+                                  lookup=self.disaggregate_lookup)
 
     def qspec(self) -> QSpecConfig:
         """The qspec method's own options."""

@@ -63,11 +63,13 @@ class DisaggregateConfig:
     target_cores: tuple[int, ...] | None = None  # the target's (None: every other one)
     wait_s: float = DEFAULT_WAIT_S
     ahead: int = DEFAULT_AHEAD
+    lookup: int = 0  # greedy: prompt-lookup guesses the worker's draft model checks in each of
+    # its passes, drafting every one it agrees with in that pass (0: one token a pass)
 
     def __post_init__(self):
-        if self.wait_s < 0 or self.ahead < 1:
-            raise ValueError(f"disaggregate: wait_s must be >= 0 and ahead >= 1, got "
-                             f"{self.wait_s}, {self.ahead}")
+        if self.wait_s < 0 or self.ahead < 1 or self.lookup < 0:
+            raise ValueError(f"disaggregate: wait_s and lookup must be >= 0 and ahead >= 1, "
+                             f"got {self.wait_s}, {self.lookup}, {self.ahead}")
         if self.draft_cores is not None and self.target_cores is not None and \
                 set(self.draft_cores) & set(self.target_cores):
             raise ValueError(f"disaggregate: the drafter's cores {list(self.draft_cores)} and "
@@ -188,7 +190,8 @@ class AsyncDraftProposer:
             if root is not None:  # the sequence went another way (not a verdict): start again
                 self.prefill(tokens[:-1])
             seed = int(torch.randint(SEED_RANGE, (1,), generator=generator))
-            self._send(Begin(self.session, list(tokens), sampling, seed, self.cfg.ahead))
+            self._send(Begin(self.session, list(tokens), sampling, seed, self.cfg.ahead,
+                             self.cfg.lookup))
         self.root_tokens = list(tokens)
 
     def _view(self) -> AheadTree:

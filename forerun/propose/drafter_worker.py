@@ -37,12 +37,14 @@ from typing import Any, Protocol
 import torch
 
 from forerun.processors import process_row
+from forerun.propose.ngram import SuffixIndex
 from forerun.propose.reroot import AheadNode, AheadTree
 from forerun.runtime.base import Runtime
 from forerun.sampling import SamplingConfig, logits_to_probs, make_generator, sample
 
 START_TIMEOUT_S = 600.0  # the most a worker may take to load its draft model and say Ready
 STOP_TIMEOUT_S = 5.0  # the most a worker is given to exit after Shutdown before it is killed
+LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 4  # the suffix lengths a lookup guess matches
 FIRST_ROOT = -1  # the root's id after Begin; the n-th verdict's fresh root is FIRST_ROOT - n
 
 
@@ -60,6 +62,7 @@ class Begin:
     sampling: SamplingConfig
     seed: int  # of the worker's own generator (its draws are never the verifier's)
     ahead: int  # the most nodes drafted past the root
+    lookup: int = 0  # greedy: prompt-lookup guesses the draft model checks in a pass (0: off)
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,9 @@ class _Session:
         self.committed = list(msg.tokens)  # the sequence, its last token the root
         self.tree = AheadTree(FIRST_ROOT)
         self.verdicts, self.next_id = 0, 0
+        self.lookup = msg.lookup if msg.sampling.greedy and not msg.sampling.processing.active \
+            else 0  # (its chains are the draft model's greedy ones: nothing to sample)
+        self.index = SuffixIndex(LOOKUP_MIN_N, LOOKUP_MAX_N)
 
     def depth(self) -> int:
         return len(self.tree.tip()[1])
@@ -139,29 +145,42 @@ class _Session:
         self.tree = self.tree.reroot(tokens, FIRST_ROOT - self.verdicts)
         self.committed.extend(tokens)
 
-    def draft_one(self, cached: list[int]) -> tuple[Drafted, list[int]]:
-        """One draft-model pass: the token after the first-drafted line -> its message, and
-        the tokens the cache holds after it. `cached`: those it holds before."""
+    def draft(self, cached: list[int]) -> tuple[list[Drafted], list[int]]:
+        """One draft-model pass: the token(s) after the first-drafted line -> their messages,
+        and the tokens the cache holds after it. `cached`: those it holds before. With
+        `lookup`, the pass also checks up to that many tokens prompt lookup guesses come next
+        (as speculative decoding checks a draft): each guess its argmax agrees with is a
+        draft token this pass makes too, so copied text drafts several tokens a pass."""
         tip, path = self.tree.tip()
         line = [*self.committed, *path]
         same = _common(cached, line)
         if same < len(cached):  # the verdict dropped what the cache was built on
             self.runtime.truncate(same)
-        missing = torch.tensor(line[same:], dtype=torch.long)  # [M >= 1]
-        logits = self.runtime.forward(missing, last_only=True).logits[-1]  # [V_draft]
-        logits = _to_vocab(logits, self.vocab_size)  # [V]
+        room = self.ahead - len(path) - 1
+        guesses = self.index.match(line, min(self.lookup, room))[0] if self.lookup else []
+        feed = torch.tensor(line[same:] + guesses, dtype=torch.long)  # [M + G], M >= 1
+        rows = self.runtime.forward(feed, last_only=not guesses).logits[-len(guesses) - 1:]
+        made: list[Drafted] = []
+        for j in range(len(guesses) + 1):
+            token, q = self._pick(_to_vocab(rows[j], self.vocab_size), line)  # rows: [G+1, V]
+            node, self.next_id = self.next_id, self.next_id + 1
+            self.tree.add(node, AheadNode(tip, token, q))
+            made.append(Drafted(self.session, node, tip, token, None if q is None else _host(q)))
+            tip = node
+            if j == len(guesses) or guesses[j] != token:
+                break
+        if guesses:  # the cache keeps the guesses its argmax agreed with
+            self.runtime.truncate(len(line) + len(made) - 1)
+        return made, line + guesses[:len(made) - 1]
+
+    def _pick(self, logits: torch.Tensor, line: list[int]) -> tuple[int, torch.Tensor | None]:
+        """The draft token after `line` from its logits [V] -> it, and q where sampled."""
         if self.sampling.processing.active:  # q shaped as the target's p is
             logits = process_row(logits, self.sampling.processing, line, self.prompt_length)
-        q = None
         if self.sampling.greedy:
-            token = int(logits.argmax(-1))
-        else:
-            probs = logits_to_probs(logits, self.sampling)  # [V]
-            token, q = int(sample(probs, self.generator)), probs
-        node = self.next_id
-        self.next_id += 1
-        self.tree.add(node, AheadNode(tip, token, q))
-        return Drafted(self.session, node, tip, token, None if q is None else _host(q)), line
+            return int(logits.argmax(-1)), None
+        probs = logits_to_probs(logits, self.sampling)  # [V]
+        return int(sample(probs, self.generator)), probs
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -205,8 +224,9 @@ def serve(channel: Channel, build: Callable[[], Runtime], vocab_size: int,
     try:
         while True:
             if session is not None and session.depth() < session.ahead and not channel.poll(0):
-                drafted, cached = session.draft_one(cached)
-                channel.send(drafted)
+                drafted, cached = session.draft(cached)
+                for msg in drafted:
+                    channel.send(msg)
                 continue
             msg = channel.recv()
             if isinstance(msg, Shutdown):
