@@ -44,6 +44,7 @@ from forerun.propose.drafter_worker import (
     DrafterProcess,
     Failed,
     Prefill,
+    Rest,
     Rooted,
     Verdict,
 )
@@ -129,7 +130,7 @@ class AsyncDraftProposer:
 
     name = "draft"
     group = None  # drafts alone, through propose
-    needs = Needs()
+    needs = Needs(archive=True)  # told through `archive` when its sequence leaves the engine
     runtime = None  # drafting costs the target nothing (another process's cores)
 
     def __init__(self, worker: DrafterProcess, cfg: DisaggregateConfig):
@@ -178,6 +179,14 @@ class AsyncDraftProposer:
 
     def commit(self, num_final: int) -> None:
         pass  # the verdict goes out with the next propose, which sees the committed tokens
+
+    def rest(self) -> None:
+        """The sequence ended: the worker stops drafting ahead for it (else it drafts on to
+        `ahead` nodes, on its own cores, before it idles)."""
+        self._send(Rest())
+
+    def archive(self, output: list[int]) -> None:
+        self.rest()  # (the engine's hook for a sequence leaving it; the output is not kept)
 
     def _advance(self, tokens: list[int], sampling: SamplingConfig,
                  generator: torch.Generator) -> None:

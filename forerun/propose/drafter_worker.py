@@ -1,7 +1,7 @@
 """The drafter worker of the asynchronous pipeline: a draft model in a process of its own,
 drafting ahead while the target verifies, and the message protocol between the two.
 
-Owns: the messages (`Prefill`, `Begin`, `Verdict`, `Shutdown` one way; `Ready`, `Drafted`,
+Owns: the messages (`Prefill`, `Begin`, `Verdict`, `Rest`, `Shutdown` one way; `Ready`, `Drafted`,
 `Rooted`, `Failed` the other), the worker's loop (`serve`), and `DrafterProcess`, which starts it on
 its own cores and hands back its `Channel`. A Channel is anything with `send`, `poll` and
 `recv` of picklable objects (a multiprocessing Connection here; a Ray actor's queue could carry
@@ -69,6 +69,11 @@ class Begin:
 class Verdict:
     session: int
     tokens: list[int]  # committed behind the root: the accepted path, then bonus or recovered
+
+
+@dataclass(frozen=True)
+class Rest:
+    """Stop drafting for the current sequence (it ended): the core goes idle."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,8 @@ def serve(channel: Channel, build: Callable[[], Runtime], vocab_size: int,
             msg = channel.recv()
             if isinstance(msg, Shutdown):
                 return
+            if isinstance(msg, Rest):
+                session = None
             if isinstance(msg, Prefill):
                 current, prompt, session = msg.session, msg.prompt, None
                 runtime.truncate(0)
