@@ -236,6 +236,11 @@ class BatchSession:
         rebuilt, keeping its estimates, when a draft model joins."""
         if not self.joint or all(s.proposer is None for s in self.live):
             return None  # nobody drafts: nothing to choose (and no pass costs to measure)
+        return self._built_policy()
+
+    def _built_policy(self) -> BatchCostPolicy:
+        """The joint policy, its pass costs measured at its first build (or the draft's when
+        a draft model has joined since)."""
         wants_draft = self._draft is not None and self._lengths is not None and \
             self._lengths.cost.draft_round is None
         if self._lengths is None or wants_draft:
@@ -249,9 +254,11 @@ class BatchSession:
 
     def calibrate(self) -> None:
         """Measure now the pass costs the joint policy reads (else its first pass does)."""
-        if self.joint and self.engine.draft is not None:
+        if not self.joint:
+            return
+        if self.engine.draft is not None:
             self._shared_draft()
-        self._policy()
+        self._built_policy()  # (even with no member yet: a server calls it before serving)
 
     def _shared_draft(self) -> SharedDraftModel | SharedCrossDraft:
         if self.engine.draft is None:

@@ -5,7 +5,8 @@ every member exactly its solo tokens, with no pass over the budget's rows beyond
 exception; a member whose drafter raises fails alone while the others finish with their solo
 tokens; a dropped member's cache is free at once; a runtime with no pooled view batches through
 forks (`ForkedBatch`) with the same outputs; only members that run the draft model pay its
-rounds in the joint cost choice.
+rounds in the joint cost choice; `calibrate` measures the joint policy's pass costs before any
+member arrives.
 """
 
 from __future__ import annotations
@@ -189,3 +190,19 @@ def test_the_shared_draft_pool_holds_the_target_pools_tokens_not_its_bytes():
     lazy = BatchSession(engine, BUDGET // 2, lazy=True)  # (regions grow: the draft's do not)
     lazy.sequence(PROMPTS[0], SamplingConfig(), 30, engine.spec)
     assert lazy._draft.runtime.pool.slots == 2 * lazy.target.pool.slots
+
+
+def test_calibrate_measures_the_joint_policys_pass_costs_before_any_member():
+    """A server calibrates before its first request: the target's and the draft's batch curves
+    are measured then, with no member yet, so no request's first pass stalls to time them."""
+    from test_engine import word_tokenizer
+
+    from forerun import Engine
+
+    target = TorchRuntime(tiny_model(0), capacity=256)
+    draft = TorchRuntime(tiny_model(0, noise=0.05, n_layers=1), capacity=256)
+    engine = Engine.from_runtimes(target, word_tokenizer(), draft, SpecConfig("draft", 3))
+    session = BatchSession(engine, BUDGET, joint=True)
+    session.calibrate()
+    assert set(engine._batch_curves) == {"target", "draft"}
+    assert session._lengths is not None and session._lengths.cost.draft_round is not None
