@@ -37,9 +37,11 @@ from forerun.engine import speculative_decode
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from forerun.models.load import open_model
 from forerun.policy import FixedK
+from forerun.propose.base import Draft
 from forerun.propose.disaggregate import AsyncDraftProposer, DisaggregateConfig, DraftRecipe
 from forerun.propose.draft_model import DraftModelProposer
-from forerun.propose.drafter_worker import DrafterProcess, pin
+from forerun.propose.drafter_worker import LOOKUP_MAX_N, LOOKUP_MIN_N, DrafterProcess, pin
+from forerun.propose.ngram import SuffixIndex
 from forerun.reference import plain_decode
 from forerun.runtime.llama_cpp import LlamaCppRuntime
 from forerun.sampling import SamplingConfig, make_generator
@@ -60,6 +62,33 @@ class TimedLlama(LlamaCppRuntime):
             return super().forward(*args, **kwargs)
         finally:
             self.busy += time.perf_counter() - started
+
+
+class LookupDraft(DraftModelProposer):
+    """The synchronous loop's draft model with the pipeline's `--disaggregate-lookup` (greedy):
+    each draft pass also checks `lookup` prompt-lookup guesses and drafts every one its argmax
+    agrees with. For a like-for-like row beside the pipeline's lookup cells."""
+
+    def __init__(self, runtime: LlamaCppRuntime, vocab: int, lookup: int):
+        super().__init__(runtime, vocab)
+        self.lookup, self.index = lookup, SuffixIndex(LOOKUP_MIN_N, LOOKUP_MAX_N)
+
+    def propose(self, tokens, k, sampling, generator) -> Draft:
+        line, drafted = list(tokens), []
+        while len(drafted) < k:
+            guesses = self.index.match(line, min(self.lookup, k - len(drafted) - 1))[0]
+            feed = torch.tensor(line[self.runtime.length:] + guesses)  # [M + G]
+            rows = self.runtime.forward(feed, last_only=not guesses).logits[-len(guesses) - 1:]
+            made = []
+            for j in range(len(guesses) + 1):
+                made.append(int(self._to_target_vocab(rows[j]).argmax()))  # rows: [G+1, V]
+                if j == len(guesses) or guesses[j] != made[-1]:
+                    break
+            if guesses:  # the cache keeps the guesses the argmax agreed with
+                self.runtime.truncate(len(line) + len(made) - 1)
+            line += made
+            drafted += made
+        return Draft(torch.tensor(drafted[:k], dtype=torch.long)) if k else Draft.empty()
 
 
 def runtime(source: str, threads: int) -> TimedLlama:
@@ -109,6 +138,9 @@ def main() -> None:
                     help="pipeline cells: the most a pass waits for a first draft token "
                     "before it runs plain (seconds), and the lookup guesses a draft pass "
                     "checks (0: one token a draft pass)")
+    ap.add_argument("--sync-lookup", type=int, default=8, metavar="N",
+                    help="also the synchronous 1+1 loop with N lookup guesses a draft pass "
+                    "(as the pipeline's lookup cells; 0: not)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
@@ -135,10 +167,12 @@ def main() -> None:
     def plain(ids):
         return plain_decode(target2, ids, greedy, args.max_tokens, stop, make_generator(0))
 
-    def sync(target, draft, k):
+    def sync(target, draft, k, lookup=0):
         def steps(ids):
-            return speculative_decode(target, DraftModelProposer(draft, vocab), FixedK(k),
-                                      ids, greedy, args.max_tokens, stop, make_generator(0))
+            proposer = (LookupDraft(draft, vocab, lookup) if lookup else
+                        DraftModelProposer(draft, vocab))
+            return speculative_decode(target, proposer, FixedK(k), ids, greedy,
+                                      args.max_tokens, stop, make_generator(0))
         return steps
 
     rows: list[dict] = []
@@ -151,6 +185,9 @@ def main() -> None:
             for k in ks:
                 round_.append(run(f"sync 2 k={k}", target2, sync(target2, draft2, k), ids))
                 round_.append(run(f"sync 1+1 k={k}", target1, sync(target1, draft1, k), ids))
+                if args.sync_lookup:
+                    round_.append(run(f"sync 1+1 k={k} lookup={args.sync_lookup}", target1,
+                                      sync(target1, draft1, k, args.sync_lookup), ids))
             for wait, lookup in pipelines:
                 cfg = DisaggregateConfig(draft_core, target_core, wait_s=wait, ahead=args.ahead,
                                          lookup=lookup)
@@ -213,7 +250,7 @@ def summarize(rows: list[dict]) -> dict:
 
     for s in out.values():
         s["vs_plain"] = s["tok_s"] / out["plain 2"]["tok_s"]
-        s["vs_best_sync_1_1"] = s["tok_s"] / best("sync 1+1")
+        s["vs_best_sync_1_1"] = s["tok_s"] / best("sync 1+1")  # (lookup cells included)
         s["vs_best_sync_2"] = s["tok_s"] / best("sync 2 ")
     return out
 
