@@ -212,6 +212,7 @@ def main() -> None:
                       f"identical {r['identical']}", flush=True)
             if n:
                 rows.extend(round_)
+                write(args.json, {"args": vars(args), "costs": costs, "runs": rows})
     finally:
         worker.close()
     summary = summarize(rows)
@@ -220,10 +221,14 @@ def main() -> None:
               f"x plain {s['vs_plain']:.2f}, x best sync 1+1 {s['vs_best_sync_1_1']:.2f}, "
               f"x best sync 2 {s['vs_best_sync_2']:.2f}, target idle {s['target_idle']:.3f}, "
               f"identical {s['identical']}/{s['runs']}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "costs": costs,
-                                               "summary": summary, "runs": rows}, indent=1))
+    write(args.json, {"args": vars(args), "costs": costs, "summary": summary, "runs": rows})
+
+
+def write(path: str | None, report: dict) -> None:
+    """The report as JSON at `path` (after every round: a run cut short keeps its rounds)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=1))
 
 
 def summarize(rows: list[dict]) -> dict:
