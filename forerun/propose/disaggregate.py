@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -118,7 +119,7 @@ class DraftRecipe:
                                             context=self.context, runtime=self.runtime)
 
 
-def start_drafter(build, vocab_size: int, cfg: DisaggregateConfig,
+def start_drafter(build: Callable[[], Runtime], vocab_size: int, cfg: DisaggregateConfig,
                   available: set[int]) -> tuple[DrafterProcess, tuple[int, ...]]:
     """The worker started on its cores -> it, and the cores left to the target."""
     draft, target = cfg.placement(available)
@@ -154,6 +155,7 @@ class AsyncDraftProposer:
         self.session = self.worker.new_session()
         self.root_tokens, self.tree, self.pending, self.confirmed = (
             None, AheadTree(FIRST_ROOT), [], 0)
+        self.newest = self.framed = -1  # (a session's node ids start again at 0)
         self._send(Prefill(self.session, list(prompt)))  # the worker feeds it meanwhile
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig,
