@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -279,23 +282,41 @@ def test_options_build_the_pipeline_spec_and_refuse_other_methods():
         parser.parse_args(["--draft-cores", "one"])
 
 
-def test_generate_disaggregated_equals_plain(tmp_path):
-    """`forerun generate --disaggregate --compare` in its own process (it pins its cores)."""
-    import json
-    import subprocess
-    import sys
-
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
     from tiny_files import byte_tokens, random_hf_weights, write_hf_dir
 
-    tokens = byte_tokens()
+    root, tokens = tmp_path_factory.mktemp("disaggregate_models"), byte_tokens()
     for name, seed in (("target", 0), ("draft", 1)):
-        write_hf_dir(tmp_path / name, random_hf_weights(len(tokens), seed), tokens)
+        write_hf_dir(root / name, random_hf_weights(len(tokens), seed), tokens)
+    return root
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """The command in its own process (--disaggregate pins the process's cores)."""
+    return subprocess.run([sys.executable, "-m", "forerun.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_generate_disaggregated_equals_plain(pair_dirs):
     cores = sorted(os.sched_getaffinity(0))
-    r = subprocess.run([sys.executable, "-m", "forerun.cli", "generate", "--target",
-                        str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
-                        "--dtype", "float32", "--draft-dtype", "float32", "--disaggregate",
-                        "--draft-cores", str(cores[-1]), "--max-tokens", "16", "--compare",
-                        "--json", "Write a sort."], capture_output=True, text=True, timeout=300)
+    r = cli("generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+            "--dtype", "float64", "--draft-dtype", "float64", "--disaggregate", "--draft-cores",
+            str(cores[-1]), "--max-tokens", "16", "--compare", "--json", "Write a sort.")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["identical"] and report["speculative"]["stats"]["method"] == "draft"
+
+
+def test_bench_disaggregated_cells_equal_plain(pair_dirs, tmp_path):
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"question_id": 1, "category": "writing",
+                                    "turns": ["abc abc abc"]}) + "\n")
+    r = cli("bench", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+            "--workload", str(workload), "--methods", "draft", "--ks", "3", "--max-tokens", "12",
+            "--dtype", "float64", "--draft-dtype", "float64", "--disaggregate", "--out",
+            str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    assert {run["label"] for run in runs} == {"forerun plain", "draft k=3 disaggregated"}
+    assert all(run["identical"] for run in runs if run["label"] != "forerun plain")
