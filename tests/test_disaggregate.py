@@ -255,6 +255,26 @@ def test_a_drafter_killed_mid_request_falls_back_to_plain():
     assert again == plain
 
 
+def test_a_stalled_drafter_costs_at_most_the_wait_a_pass():
+    """A worker that stops answering (SIGSTOP) leaves each pass waiting `wait_s` at most, then
+    running plain: the request finishes, as plain's."""
+    worker = spawn(noise=0.3)
+    target, greedy, prompt = tiny_runtime(0, vocab=GREEDY_V), SamplingConfig(), [2, 7, 1, 8]
+    plain = [t for s in plain_decode(target, prompt, greedy, 20, (), make_generator(0))
+             for t in s.tokens]
+    proposer = AsyncDraftProposer(worker, DisaggregateConfig(wait_s=0.05, ahead=8))
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        started = time.perf_counter()
+        out = [t for s in speculative_decode(target, proposer, FixedK(4), prompt, greedy, 20,
+                                             (), make_generator(0)) for t in s.tokens]
+        assert out == plain and time.perf_counter() - started < 20 * 0.05 + 5
+        assert proposer.empty > 0
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        worker.close()
+
+
 def _broken() -> None:
     raise OSError("no such model file")
 
