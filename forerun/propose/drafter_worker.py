@@ -142,8 +142,10 @@ class _Session:
             else 0  # (its chains are the draft model's greedy ones: nothing to sample)
         self.index = SuffixIndex(LOOKUP_MIN_N, LOOKUP_MAX_N)
 
-    def depth(self) -> int:
-        return len(self.tree.tip()[1])
+    def room(self) -> int:
+        """Nodes it may still draft: up to `ahead` past the root, within the cache."""
+        depth = len(self.tree.tip()[1])
+        return min(self.ahead - depth, self.runtime.capacity - len(self.committed) - depth)
 
     def verdict(self, tokens: list[int]) -> None:
         self.verdicts += 1
@@ -161,7 +163,7 @@ class _Session:
         same = _common(cached, line)
         if same < len(cached):  # the verdict dropped what the cache was built on
             self.runtime.truncate(same)
-        room = self.ahead - len(path) - 1
+        room = self.room() - 1  # beyond the token this pass drafts anyway
         guesses = self.index.match(line, min(self.lookup, room))[0] if self.lookup else []
         feed = torch.tensor(line[same:] + guesses, dtype=torch.long)  # [M + G], M >= 1
         rows = self.runtime.forward(feed, last_only=not guesses).logits[-len(guesses) - 1:]
@@ -228,7 +230,7 @@ def serve(channel: Channel, build: Callable[[], Runtime], vocab_size: int,
     current = -1  # the latest session Prefill named
     try:
         while True:
-            if session is not None and session.depth() < session.ahead and not channel.poll(0):
+            if session is not None and session.room() > 0 and not channel.poll(0):
                 drafted, cached = session.draft(cached)
                 for msg in drafted:
                     channel.send(msg)
