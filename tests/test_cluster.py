@@ -1,5 +1,5 @@
-"""Scale-out on Ray (`forerun.cluster`): a local Ray cluster, started and stopped here (on
-127.0.0.1 only), serving a tiny model from 2 replicas behind one OpenAI-compatible endpoint.
+"""Scale-out on Ray (`forerun.cluster`): a local Ray cluster, started and stopped here, serving a
+tiny model from 2 replicas behind one OpenAI-compatible endpoint on a free 127.0.0.1 port.
 
 The replicas build their engines in their own processes from a picklable factory: the tiny
 float64 model of tests/test_serve.py (where greedy speculative output equals plain output

@@ -7,9 +7,12 @@ deployment of `replicas` replicas with `cores_per_replica` CPUs each, routed by
 again under the same name updates the running application in place: another replica count
 scales it (Ray Serve starts or stops replicas; the others keep serving).
 
-A local cluster (no address) is Ray on this machine only: its processes bound to 127.0.0.1,
-`replicas x cores` CPUs, no dashboard, a small object store (responses stream as small
-objects), and it is shut down with the application.
+A local cluster (no address) is Ray on this machine alone: `replicas x cores` CPUs, no
+dashboard, a small object store (responses stream as small objects), shut down with the
+application. Only the HTTP endpoint is bound to `host` (127.0.0.1 by default): Ray's own
+processes (GCS, raylet, workers) listen on every interface whatever they are told (Ray turns a
+loopback node address into the machine's), guarded by Ray's token authentication, which Ray
+2.60 turns on for a local cluster; firewall their ports where the network is shared.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from forerun.cluster.spec import (
 log = logging.getLogger("forerun.cluster")
 OBJECT_STORE_BYTES = 128 << 20  # a local cluster's object store: streamed chunks are small
 INGRESS_SLOTS_PER_REPLICA = 4  # the ingress takes this many times the replicas' own limits
-LOCAL_HOST = "127.0.0.1"
 MISSING = ("Ray is not installed: pip install 'forerun[cluster]' (ray[serve]) on every node of "
            "the cluster")
 
@@ -47,7 +49,7 @@ class Cluster:
 
 
 def connect(config: ClusterConfig) -> Cluster:
-    """Join the cluster at config.address, or start a local one on 127.0.0.1."""
+    """Join the cluster at config.address, or start a local one on this machine."""
     try:
         import ray
     except ImportError as e:
@@ -56,8 +58,8 @@ def connect(config: ClusterConfig) -> Cluster:
         context = ray.init(address=config.address, log_to_driver=False)
         return Cluster(context.address_info["address"], local=False)
     context = ray.init(num_cpus=config.replicas * config.cores_per_replica,
-                       include_dashboard=False, _node_ip_address=LOCAL_HOST,
-                       object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False)
+                       include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+                       log_to_driver=False)
     return Cluster(context.address_info["address"], local=True)
 
 

@@ -66,8 +66,8 @@ class ReplicaSpec:
 class ClusterConfig:
     replicas: int = 2
     cores_per_replica: int = 1  # Ray CPUs a replica reserves, and the CPUs its threads use
-    # an existing cluster ("auto", "ray://host:10001", "host:6379"); None = start a local one on
-    # 127.0.0.1 with replicas x cores CPUs, stopped on exit
+    # an existing cluster ("auto", "ray://host:10001", "host:6379"); None = start a local one
+    # on this machine with replicas x cores CPUs, stopped on exit
     address: str | None = None
     host: str = "127.0.0.1"  # where Ray Serve's HTTP proxy listens
     port: int = 8000

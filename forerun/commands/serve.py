@@ -152,7 +152,7 @@ def add_parser(sub) -> None:
                    help="CPUs each replica reserves and runs its threads on (--ray)")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="an existing Ray cluster (auto, HOST:6379); unset = a local one on "
-                        "127.0.0.1 of replicas x cores CPUs, stopped on exit")
+                        "this machine of replicas x cores CPUs, stopped on exit")
     g.add_argument("--ray-detach", action="store_true",
                    help="with --ray-address: deploy (or rescale: another --replicas) and exit; "
                         "the application keeps serving until `serve shutdown`")
