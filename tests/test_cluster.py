@@ -183,6 +183,7 @@ def cluster(model_dir):
         yield base
     finally:
         stop(handle)
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
 def free_port() -> int:
