@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -35,6 +36,9 @@ from forerun.cluster.spec import APP_NAME
 from forerun.serve.app import Gate, ServeConfig, install_error_handlers
 from forerun.serve.protocol import APIError, error_body
 from forerun.serve.responses import sse
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
 log = logging.getLogger("forerun.cluster")
 MAX_ATTEMPTS = 3  # sends of one request to replicas that die before answering
@@ -51,10 +55,10 @@ def replica_died(detail: str) -> str:
 class Ingress:
     """The ingress deployment's state: the engine replicas' handle and the counters."""
 
-    def __init__(self, engines, config: ServeConfig, prefix_routing: bool):
+    def __init__(self, engines: DeploymentHandle, config: ServeConfig, prefix_routing: bool):
         from ray.exceptions import ActorUnavailableError, RayActorError
 
-        self.engines = engines  # a ray.serve.handle.DeploymentHandle of EngineReplica
+        self.engines = engines  # EngineReplica's
         self.config, self.prefix_routing = config, prefix_routing
         self.lost = (RayActorError, ActorUnavailableError)  # what a dead replica raises
         r = self.registry = CollectorRegistry()
