@@ -150,7 +150,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="--method draft: the draft model drafts ahead in a worker process on "
                         "cores of its own while the target verifies (an asynchronous pipeline; "
                         "lossless, but a seed no longer reproduces a sampled run); one sequence "
-                        "at a time: serve falls back to drafting in process")
+                        "at a time: serve and generate --batch draft in process instead")
     g.add_argument("--draft-cores", type=cores_arg, default=None, metavar="CPUS",
                    help="--disaggregate: the drafter's CPU cores, as 1 or 2,3 or 2-3 "
                         "(default: the last one)")
