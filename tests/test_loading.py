@@ -1,6 +1,7 @@
 """Weight loading from the sources users have: a HF directory (config.json + safetensors +
 tokenizer.json) and a GGUF file, both built here from the same random weights; a hub id
-offline; bad paths. The two loaders must give the same logits."""
+offline; bad paths. The two loaders must give the same logits; a loaded GGUF's pages are let go
+and read again when needed."""
 
 import os
 import subprocess
@@ -37,6 +38,19 @@ def test_hf_dir_and_gguf_give_the_same_model(sources):
     a = hf.load(dtype="float64").forward(torch.tensor(ids)).logits
     b = gg.load(dtype="float64").forward(torch.tensor(ids)).logits
     assert torch.allclose(a, b, atol=1e-5)  # GGUF stores float32: float32 rounding only
+
+
+def test_a_loaded_gguf_lets_go_of_its_file_pages_and_reads_them_again(sources):
+    """Once the torch runtime has copied the weights out, the GGUF's mapped pages are dropped
+    (they would count in the server's resident memory); a later read maps them again."""
+    gg = open_model(str(sources[1]))
+    name = next(iter(gg.gguf.tensors))
+    before = gg.gguf.raw(name).copy()
+    first = gg.load(dtype="float64").forward(torch.tensor([1, 2, 3])).logits
+    assert (gg.gguf.raw(name) == before).all()
+    gg.gguf.drop_pages()
+    again = gg.load(dtype="float64").forward(torch.tensor([1, 2, 3])).logits
+    assert torch.equal(first, again)
 
 
 def test_chat_template_and_stop_tokens_from_hf_dir(sources):

@@ -74,6 +74,11 @@ class GGUFFile:
         data = np.frombuffer(self._map, np.uint8, info.nbytes, info.offset)
         return data.reshape(*info.shape[:-1], -1)
 
+    def drop_pages(self) -> None:
+        """Let go of the file's pages this process has read (they count in its resident memory
+        while mapped; a later read maps them again): once its weights are copied out."""
+        self._map.madvise(mmap.MADV_DONTNEED)
+
     def _u32(self) -> int:
         (value,) = struct.unpack_from("<I", self._map, self._pos)
         self._pos += 4

@@ -8,6 +8,8 @@ loading so that checks such as a draft/target vocabulary mismatch fail before gi
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,7 +102,19 @@ def load_transformer(src: ModelSource, dtype: str = "float32", device: str = "cp
         model = Transformer(src.config)
     model = model.to_empty(device=device).to(torch_dtype)
     model.load_canonical({k: v.to(device) for k, v in weights.items()})
+    del weights
+    if src.gguf is not None:  # the file's pages we read, and the float32 copies' heap
+        src.gguf.drop_pages()
+    release_heap()
     return model.eval()
+
+
+def release_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc keeps the dequantized float32
+    copies' arenas resident after they are freed: ~0.5 GB for the 1.5B target); no-op
+    elsewhere."""
+    with contextlib.suppress(OSError, AttributeError):  # (not glibc)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _load_torch(src: ModelSource, dtype: str, device: str, context: int) -> TorchRuntime:
