@@ -362,6 +362,7 @@ def _propose_all(runtime: BatchRuntime, live: list[Sequence],
             grouped.setdefault(id(s.proposer.group), (s.proposer.group, []))[1].append(
                 (i, DraftRequest(s.proposer, s.tokens, k, s.sampling, s.generator)))
     for group, requests in grouped.values():
+        behind = sum(_backlog(live[i]) for i, r in requests if r.k)  # catch-up rows it feeds
         started = time.perf_counter()
         try:
             made = group.propose([r for _, r in requests])
@@ -369,9 +370,9 @@ def _propose_all(runtime: BatchRuntime, live: list[Sequence],
             for i, _ in requests:
                 live[i].fail(e)
             continue
-        if lengths is not None and all(len(live[i].steps) > 1 for i, _ in requests):
-            # (a member's first draft also feeds its prompt to the drafter: not a draft's cost)
-            lengths.observe_drafting([r.k for _, r in requests], time.perf_counter() - started)
+        if lengths is not None:
+            lengths.observe_drafting([r.k for _, r in requests], time.perf_counter() - started,
+                                     behind)
         for (i, _), draft in zip(requests, made, strict=True):
             drafts[i] = draft
     return [d if d is None else d.fit(_room(runtime, s)) for d, s in zip(drafts, live,

@@ -160,11 +160,14 @@ class BatchCostPolicy:
         if isinstance(self.cost.verify, LiveCurve):
             self.cost.verify.observe(rows, seconds)
 
-    def observe_drafting(self, ks: list[int], seconds: float) -> None:
-        """A timed shared draft call for members drafting `ks`: the draft's rounds are priced
+    def observe_drafting(self, ks: list[int], seconds: float, catch_up: int = 0) -> None:
+        """A timed shared draft call for members drafting `ks`, after feeding `catch_up` rows
+        of their backlogs (priced as one pass of that many rows): the draft's rounds are priced
         by the running ratio of seen to priced seconds (a call stalled by the machine moves it
         by LIVE_CLIP-fold at most)."""
         priced = self.cost.drafting(ks)
+        if catch_up and self.cost.draft_round is not None:
+            priced += self.cost.draft_round(catch_up)
         if priced <= 0 or seconds <= 0:
             return
         self.draft_calls += 1

@@ -106,6 +106,9 @@ def test_draft_calls_slower_than_priced_turn_drafting_off_and_fast_ones_back_on(
         policy.observe_drafting([2], PAIR.drafting([2]))
     assert policy.draft_scale < 1.2 and policy.choose([1], [4])[0] > 0
     assert PAIR.drafting([3, 1, 0]) == pytest.approx(0.090 + 0.080 + 0.080)  # rounds of 2, 1, 1
+    fed = BatchCostPolicy(PAIR)  # a call that also fed 100 catch-up rows, at its price
+    fed.observe_drafting([4], PAIR.drafting([4]) + PAIR.draft_round(100), catch_up=100)
+    assert fed.draft_scale == pytest.approx(1.0)
 
 
 def test_a_newcomers_prompt_catch_up_is_priced_over_the_tokens_it_has_left():
