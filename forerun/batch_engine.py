@@ -340,10 +340,12 @@ def _propose_all(runtime: BatchRuntime, live: list[Sequence],
     caps = [0 if live[i].proposer is None else max(0, min(
         live[i].max_new_tokens - live[i].emitted - 1, _room(runtime, live[i]), live[i].k_limit))
         for i in decoding]
+    # catch-up rows each member's shared drafter must feed first (priced by the joint policy)
+    behind = {i: _backlog(live[i]) for i in decoding} if lengths is not None else {}
     ks = (lengths.choose([id(live[i]) for i in decoding], caps,
                          [live[i].proposer is not None and live[i].proposer.runtime is not None
                           for i in decoding],
-                         [_backlog(live[i]) for i in decoding],
+                         [behind[i] for i in decoding],
                          [live[i].max_new_tokens - live[i].emitted for i in decoding])
           if lengths is not None else
           [min(c, live[i].policy.next_k()) if c else 0 for i, c in zip(decoding, caps,
@@ -362,7 +364,6 @@ def _propose_all(runtime: BatchRuntime, live: list[Sequence],
             grouped.setdefault(id(s.proposer.group), (s.proposer.group, []))[1].append(
                 (i, DraftRequest(s.proposer, s.tokens, k, s.sampling, s.generator)))
     for group, requests in grouped.values():
-        behind = sum(_backlog(live[i]) for i, r in requests if r.k)  # catch-up rows it feeds
         started = time.perf_counter()
         try:
             made = group.propose([r for _, r in requests])
@@ -372,7 +373,7 @@ def _propose_all(runtime: BatchRuntime, live: list[Sequence],
             continue
         if lengths is not None:
             lengths.observe_drafting([r.k for _, r in requests], time.perf_counter() - started,
-                                     behind)
+                                     sum(behind[i] for i, r in requests if r.k))
         for (i, _), draft in zip(requests, made, strict=True):
             drafts[i] = draft
     return [d if d is None else d.fit(_room(runtime, s)) for d, s in zip(drafts, live,
