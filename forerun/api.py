@@ -161,15 +161,22 @@ def load_draft(target: ModelSource, draft: ModelSource, load: LoadConfig) -> Run
 
 def start_disaggregated(target: ModelSource, draft: ModelSource, source: str, spec: SpecConfig,
                         load: LoadConfig) -> DrafterProcess:
-    """--disaggregate: the draft model (`source`) in a worker process on its cores, and this
-    process, the target's, pinned to the others before the target loads (llama.cpp counts its
-    threads then)."""
+    """--disaggregate: the draft model (`source`) in a worker process on its cores (or, with
+    spec.drafter_placement, a Ray actor: the same interface), and this process, the target's,
+    pinned to the others before the target loads (llama.cpp counts its threads then)."""
     if draft_bridge(target, draft, load.runtime) is not None or load.draft_vocab:
         raise ModelError("--disaggregate needs a draft with the target's tokenizer and its "
                          "full vocabulary")
     recipe = DraftRecipe(source, load.draft_dtype, load.device, load.context, load.runtime)
-    worker, cores = start_drafter(recipe, target.config.vocab_size, spec.disaggregated(),
-                                  os.sched_getaffinity(0))
+    if spec.drafter_placement is not None:  # a Ray actor, placed by a placement group
+        from forerun.cluster.drafter_actor import start_ray_drafter
+
+        worker, cores = start_ray_drafter(recipe, target.config.vocab_size,
+                                          spec.disaggregated(), spec.drafter_placement,
+                                          os.sched_getaffinity(0))
+    else:
+        worker, cores = start_drafter(recipe, target.config.vocab_size, spec.disaggregated(),
+                                      os.sched_getaffinity(0))
     pin(cores)
     return worker
 

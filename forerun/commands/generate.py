@@ -18,6 +18,7 @@ from forerun.api import DEFAULT_KV_BUDGET_BYTES, Completion, Engine
 from forerun.bench.report import NEAR_TIE, describe_divergence
 from forerun.commands.options import (
     add_model_args,
+    add_ray_args,
     add_sampling_args,
     add_spec_args,
     err,
@@ -63,6 +64,7 @@ def add_parser(sub) -> None:
                    "reserves its prompt + max tokens and waits while the budget is full")
     add_model_args(gen)
     add_spec_args(gen)
+    add_ray_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=run)
 

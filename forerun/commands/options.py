@@ -9,12 +9,14 @@ library; no command module is imported here.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
 from forerun.api import DEFAULT_MAX_TOKENS, Engine, LoadConfig
+from forerun.cluster.drafter_actor import STRATEGIES
 from forerun.grammar import Grammar
 from forerun.heads import PRECISIONS
 from forerun.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -107,15 +109,23 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       qspec_activations=args.qspec_activations, qspec_type=args.qspec_type,
                       disaggregate=args.disaggregate, draft_cores=args.draft_cores,
                       target_cores=args.target_cores, disaggregate_wait=args.disaggregate_wait,
-                      disaggregate_lookup=args.disaggregate_lookup)
+                      disaggregate_lookup=args.disaggregate_lookup,
+                      drafter_placement=(args.ray_strategy if args.ray and args.disaggregate
+                                         else None))
 
 
 def load_engine(args: argparse.Namespace, console: Console | None = None) -> Engine:
     """The Engine of the model and speculation arguments (the draft only when it drafts)."""
-    needs_draft = spec_config(args).uses_draft
+    spec = spec_config(args)
+    needs_draft = spec.uses_draft
+    if spec.drafter_placement is not None:  # --disaggregate --ray: join (or start) a cluster
+        from forerun.cluster.drafter_actor import join_cluster
+
+        draft, target = spec.disaggregated().placement(os.sched_getaffinity(0))
+        join_cluster(args.ray_address, len(draft) + len(target))
     what = f"loading {args.target}" + (f" + {args.draft}" if needs_draft else "")
     with (console or err).status(what):
-        return Engine(args.target, args.draft if needs_draft else None, spec=spec_config(args),
+        return Engine(args.target, args.draft if needs_draft else None, spec=spec,
                       load=load_config(args))
 
 
@@ -164,6 +174,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "tokens prompt lookup guesses, drafting those its argmax agrees with "
                         "(the same draft tokens, several a pass on copied text); 0 = off "
                         "(default: %(default)s)")
+    # --ray (its drafter a Ray actor) where a command adds it: add_ray_args; serve has its own
+    p.set_defaults(ray=False, ray_address=None, ray_strategy=STRATEGIES[0])
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix to look up")
     g.add_argument("--suffix-cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, metavar="N",
@@ -240,6 +252,27 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--suffix-cache-dir", default=None, metavar="DIR",
                    help="--method suffix: keep the index of earlier outputs in DIR between runs "
                         "(loaded at its first use, written when the process exits)")
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    """--ray for a command that runs one engine: its --disaggregate drafter as a Ray actor."""
+    g = p.add_argument_group("the drafter on Ray (pip install 'forerun[cluster]'; "
+                             "docs/cluster.md)")
+    g.add_argument("--ray", action="store_true",
+                   help="with --disaggregate: the drafter worker is a Ray actor, placed with "
+                        "the target (this process) by a placement group of two bundles, "
+                        "--draft-cores and --target-cores CPUs")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="an existing Ray cluster (auto, HOST:6379); unset = a local one on this "
+                        "machine, stopped on exit")
+    add_ray_strategy_arg(g)
+
+
+def add_ray_strategy_arg(g) -> None:
+    g.add_argument("--ray-strategy", default=STRATEGIES[0], choices=STRATEGIES,
+                   help="--ray --disaggregate: the placement group's strategy: PACK keeps the "
+                        "drafter's bundle beside the target's, SPREAD puts it on another node "
+                        "where one has room (default: %(default)s)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

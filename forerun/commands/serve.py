@@ -20,6 +20,7 @@ from rich.console import Console
 from forerun.api import DEFAULT_KV_BUDGET_BYTES, DEFAULT_MAX_TOKENS
 from forerun.commands.options import (
     add_model_args,
+    add_ray_strategy_arg,
     add_spec_args,
     load_config,
     load_engine,
@@ -156,6 +157,7 @@ def add_parser(sub) -> None:
     g.add_argument("--ray-detach", action="store_true",
                    help="with --ray-address: deploy (or rescale: another --replicas) and exit; "
                         "the application keeps serving until `serve shutdown`")
+    add_ray_strategy_arg(g)  # --disaggregate: each replica's target and drafter bundles
     add_model_args(s)
     add_spec_args(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning",

@@ -102,6 +102,9 @@ class SpecConfig:
     target_cores: tuple[int, ...] | None = None  # disaggregate: the target's
     disaggregate_wait: float = DEFAULT_WAIT_S  # disaggregate: the most a pass waits for a draft
     disaggregate_lookup: int = 0  # disaggregate, greedy: lookup guesses a draft pass checks
+    drafter_placement: str | None = None  # disaggregate: the worker as a Ray actor in a
+    # placement group of this strategy (PACK, SPREAD: forerun.cluster.drafter_actor); None: a
+    # process on this machine
 
     def __post_init__(self):
         if self.method != "none" and self.method not in PROPOSERS:
@@ -121,6 +124,9 @@ class SpecConfig:
         self.qspec()  # and qspec's
         self.early_exit()  # and early-exit's
         self.disaggregated()  # and the pipeline's
+        if self.drafter_placement is not None and not self.disaggregate:
+            raise ValueError("a drafter placement (--ray) places the --disaggregate worker: add "
+                             "--disaggregate")
         if self.disaggregate and self.method != "draft":
             raise ValueError(f"--disaggregate runs the draft model in a worker; --method "
                              f"{self.method} drafts in process (use --method draft)")
