@@ -30,13 +30,14 @@ from forerun.profile import ForwardCurve
 from forerun.propose import PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.cross_vocab import VocabBridge, vocab_bridge
 from forerun.propose.disaggregate import DRAFTER, DraftRecipe, start_drafter
+from forerun.propose.drafter_hub import DrafterHub
 from forerun.propose.drafter_worker import DrafterProcess, pin
 from forerun.reference import plain_decode
 from forerun.runtime.base import Runtime
-from forerun.runtime.batch import BatchRuntime, BatchTorchRuntime
-from forerun.runtime.forked import ForkedBatch
+from forerun.runtime.batch import BatchRuntime
 from forerun.runtime.memory import return_free_memory
 from forerun.runtime.torch_model import TorchRuntime
+from forerun.runtime.views import batched_view
 from forerun.sampling import SamplingConfig, make_generator
 from forerun.stopping import StopStrings, TextOut
 
@@ -215,7 +216,7 @@ class Engine:
         self._attach(target_rt, target_src.tokenizer, draft_rt, spec, heads, bridge)
         if drafter is not None:
             self.drafter = drafter
-            self.proposers.shared[DRAFTER] = drafter
+            self.proposers.shared[DRAFTER] = DrafterHub(drafter)  # every sequence's channel
         return_free_memory()  # loading's temporaries, freed but still mapped
 
     @classmethod
@@ -415,23 +416,9 @@ class Engine:
         reused)."""
         if self._batches.get(role, (None,))[0] != budget:
             runtime = self.target if role == "target" else self.draft
-            self._batches[role] = (budget, _batched(runtime, budget))
+            self._batches[role] = (budget, batched_view(runtime, budget))
             self._batch_curves.pop(role, None)
         return self._batches[role][1]
-
-
-def _batched(runtime: Runtime, budget: int) -> BatchRuntime:
-    """A runtime's many-sequence view, its KV cache sized by `budget` bytes."""
-    if isinstance(runtime, TorchRuntime):
-        return BatchTorchRuntime(runtime, budget)
-    try:  # llama.cpp is optional: its runtime exists only where llama-cpp-python does
-        from forerun.runtime.llama_batch import BatchLlamaRuntime
-        from forerun.runtime.llama_cpp import LlamaCppRuntime
-    except ImportError:
-        LlamaCppRuntime = None
-    if LlamaCppRuntime is not None and isinstance(runtime, LlamaCppRuntime):
-        return BatchLlamaRuntime.with_budget(runtime, budget)
-    return ForkedBatch(runtime)  # any other runtime: a fork per member, one pass each
 
 
 def _find_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:

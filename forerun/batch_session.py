@@ -33,10 +33,11 @@ from forerun.prefix_cache import PrefixCache
 from forerun.profile import LiveCurve
 from forerun.propose import AUTO_TREE, AUTO_TREE_MAX, PROPOSERS, ProposerContext, SpecConfig
 from forerun.propose.cross_draft import SharedCrossDraft
+from forerun.propose.disaggregate import ASYNC_BATCH, DRAFTER, AsyncDraftBatch
 from forerun.propose.draft_batch import SHARED_DRAFT, SharedDraftModel
 from forerun.runtime.base import Runtime
 from forerun.runtime.batch import PoolFull
-from forerun.runtime.torch_model import TorchRuntime
+from forerun.runtime.views import kv_token_bytes
 from forerun.sampling import SamplingConfig, make_generator
 
 if TYPE_CHECKING:
@@ -102,7 +103,9 @@ class BatchSession:
             raise ModelError(f"{spec.method} heads draft from the target's features, which "
                              "this runtime's batched passes do not return; use --runtime "
                              "torch, or decode one prompt at a time (generate)")
-        if spec.uses_draft:  # the batch's draft model drafts for every member that uses it
+        if spec.uses_draft and spec.disaggregate:  # the engine's worker drafts for them all
+            self._async_batch(spec)
+        elif spec.uses_draft:  # the batch's draft model drafts for every member that uses it
             self._group[SHARED_DRAFT] = self._shared_draft()
         # each member its own drafter state (and stores: an EAGLE head's cache)
         seq.proposer = PROPOSERS[spec.method](spec, ProposerContext(
@@ -260,6 +263,17 @@ class BatchSession:
             self._shared_draft()
         self._built_policy()  # (even with no member yet: a server calls it before serving)
 
+    def _async_batch(self, spec: SpecConfig) -> None:
+        """--disaggregate: the engine's drafter worker drafts for every member, from a pool of
+        as many tokens as the target's (opened once, at the first such member)."""
+        hub = self.engine.proposers.shared.get(DRAFTER)
+        if hub is None:
+            raise ValueError("--disaggregate needs the drafter worker an Engine starts for it "
+                             "(forerun.Engine with SpecConfig(disaggregate=True))")
+        if ASYNC_BATCH not in self._group:
+            hub.open_pool(max(1, self.kv_budget_bytes // kv_token_bytes(self.engine.target)))
+            self._group[ASYNC_BATCH] = AsyncDraftBatch(hub, spec.disaggregate_wait)
+
     def _shared_draft(self) -> SharedDraftModel | SharedCrossDraft:
         if self.engine.draft is None:
             raise ValueError("method 'draft' needs a draft model (--draft)")
@@ -275,14 +289,6 @@ class BatchSession:
         return self._draft
 
 
-def kv_token_bytes(runtime: Runtime) -> int:
-    """KV-cache bytes one token takes in a runtime's batched pool: K and V of every layer, in
-    the torch model's dtype (llama.cpp: f16)."""
-    cfg = runtime.config
-    itemsize = runtime.dtype.itemsize if isinstance(runtime, TorchRuntime) else 2
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
-
-
 def draft_budget(target: Runtime, draft: Runtime, budget: int) -> int:
     """The shared draft pool's bytes: room for as many tokens as the target's pool of `budget`
     bytes holds (each member reserves the same slots in both), not `budget` again, which a
@@ -293,7 +299,8 @@ def draft_budget(target: Runtime, draft: Runtime, budget: int) -> int:
 def _preemptible(seq: Sequence) -> bool:
     """A member whose cache alone can be freed and recomputed: its drafter keeps no cache
     region of its own (a shared draft model's) and reads no features of the prompt's rows."""
-    return seq.proposer is None or (seq.proposer.group is None and not reads_prompt(seq))
+    return seq.proposer is None or ((seq.proposer.group is None or seq.proposer.needs.remote)
+                                    and not reads_prompt(seq))
 
 
 def max_nodes(spec: SpecConfig) -> int:

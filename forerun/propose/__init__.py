@@ -15,6 +15,7 @@ from forerun.profile import calibrated_curve
 from forerun.propose.base import Draft, Needs, Proposer, ProposerContext
 from forerun.propose.cross_draft import CrossVocabProposer
 from forerun.propose.disaggregate import (
+    ASYNC_BATCH,
     DEFAULT_WAIT_S,
     DRAFTER,
     AsyncDraftProposer,
@@ -97,7 +98,7 @@ class SpecConfig:
     exit_adapter: str | None = None  # early-exit: the exit adapter's file, "none" (identity),
     # or None (the one `forerun train early-exit` saved for the target and E, else identity)
     disaggregate: bool = False  # draft: the draft model drafts ahead in a worker process of its
-    # own while the target verifies (forerun.propose.disaggregate); one sequence at a time
+    # own while the target verifies (forerun.propose.disaggregate); a batch's members share it
     draft_cores: tuple[int, ...] | None = None  # disaggregate: the worker's CPU cores
     target_cores: tuple[int, ...] | None = None  # disaggregate: the target's
     disaggregate_wait: float = DEFAULT_WAIT_S  # disaggregate: the most a pass waits for a draft
@@ -194,11 +195,13 @@ def tree_budget(text: str) -> int:
 
 def _draft(spec: SpecConfig, ctx: ProposerContext) -> Proposer:
     if spec.disaggregate:  # the engine's worker drafts ahead, in its own process
-        worker = None if ctx.shared is None else ctx.shared.get(DRAFTER)
-        if worker is None:
+        hub = None if ctx.shared is None else ctx.shared.get(DRAFTER)
+        if hub is None:
             raise ValueError("--disaggregate needs the drafter worker an Engine starts for it "
                              "(forerun.Engine with SpecConfig(disaggregate=True))")
-        return AsyncDraftProposer(worker, spec.disaggregated())
+        group = None if ctx.batch is None else ctx.batch.get(ASYNC_BATCH)  # a batch member's
+        return AsyncDraftProposer(hub.worker, spec.disaggregated(), hub, ctx.capacity or 0,
+                                  group)
     shared = None if ctx.batch is None else ctx.batch.get(SHARED_DRAFT)
     if shared is not None:  # a batch member: the batch's draft model drafts for it and others
         return shared.proposer(ctx.capacity)

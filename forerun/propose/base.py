@@ -76,6 +76,8 @@ class Needs:
     resume: bool = False  # drafts with the target's own first layers in the target's own
     # cache, its chains carrying `Draft.resume` (early exit): the runtime must resume rows
     # (capabilities.resume_rows), the sequence decoded alone
+    remote: bool = False  # drafts in a process of its own (--disaggregate): nothing of its
+    # sequence lives in this process's pools, so its member may be preempted like a plain one
     tree_verifier: str = "rrs"  # how its sampled trees are verified: a key of
     # forerun.verify_spectr.TREE_VERIFIERS ("spectr": siblings are i.i.d. draws from one q)
 

@@ -4,7 +4,8 @@ whatever is drafted when it asks (`--disaggregate`).
 
 Owns: `DisaggregateConfig` (placement and waiting), `DraftRecipe` (how the worker loads the
 draft model in its own process), `AsyncDraftProposer` (the Proposer the engine sees: the same
-verifier, the same step) and `start_drafter`.
+verifier, the same step), `AsyncDraftBatch` (a batch's members drafted by one worker) and
+`start_drafter`.
 
 One step, as the target sees it:
   1. propose   send the verdict of the previous pass (the tokens committed behind the old
@@ -24,7 +25,16 @@ Sampling stays exact, but a seed no longer reproduces a run: which nodes are rea
 target asks depends on timing. The drafter draws with its own generator (seeded from the
 sequence's). A worker that dies, fails or closes mid-request leaves the request decoding on
 plainly (its drafts empty), with `failure` saying why; nothing waits on it longer than
-`wait_s`. One worker drafts one sequence at a time (a batch of one).
+`wait_s`.
+
+A batch: one worker drafts for every member (`AsyncDraftBatch`, the members' `group`). The
+batch opens the worker's pool (`forerun.propose.drafter_pool`: a draft region per member, one
+draft pass drafting one token for each); every member's proposer is a session of the worker's
+one channel (`forerun.propose.drafter_hub` sorts what arrives), mirrors its own tree as above,
+and takes at each pass what is ready for it; the pass waits at most `wait_s` in all, and a
+member with nothing ready runs k = 0. A member leaving (finished, dropped, failed) frees its
+region there; one preempted keeps it and goes on from its restored tokens. A worker that dies
+leaves every member decoding plainly.
 """
 
 from __future__ import annotations
@@ -36,24 +46,26 @@ from dataclasses import dataclass
 
 import torch
 
-from forerun.propose.base import Draft, Needs
-from forerun.propose.drafter_worker import (
+from forerun.propose.base import Draft, DraftRequest, Needs
+from forerun.propose.drafter_hub import DrafterHub
+from forerun.propose.drafter_messages import (
     FIRST_ROOT,
     Begin,
     Drafted,
     DrafterGone,
-    DrafterProcess,
-    Failed,
+    Dropped,
     Prefill,
     Rest,
     Rooted,
     Verdict,
 )
+from forerun.propose.drafter_worker import DrafterProcess
 from forerun.propose.reroot import AheadNode, AheadTree
 from forerun.runtime.base import Runtime
 from forerun.sampling import SamplingConfig
 
-DRAFTER = "disaggregate-drafter"  # its key in ProposerContext.shared: the engine's worker
+DRAFTER = "disaggregate-drafter"  # its key in ProposerContext.shared: the engine's worker's hub
+ASYNC_BATCH = "disaggregate-batch"  # its key in ProposerContext.batch: the AsyncDraftBatch
 DEFAULT_WAIT_S = 0.2  # the most a pass waits for a first draft node before it runs plain
 DEFAULT_AHEAD = 16  # the most nodes the worker drafts past the root
 SEED_RANGE = 2**62  # the worker's seed is drawn from the sequence's generator in [0, this)
@@ -127,16 +139,22 @@ def start_drafter(build: Callable[[], Runtime], vocab_size: int, cfg: Disaggrega
 
 
 class AsyncDraftProposer:
-    """The engine's side of the pipeline: a Proposer whose drafts the worker made ahead."""
+    """The engine's side of the pipeline: a Proposer whose drafts the worker made ahead.
+    `hub`: the worker's channel shared with other sequences' proposers (None: its own);
+    `slots`: its draft region's size in a pool (0: the context); `group`: the batch's
+    `AsyncDraftBatch`, which takes every member's draft in one wait (None: alone)."""
 
     name = "draft"
-    group = None  # drafts alone, through propose
-    needs = Needs(archive=True)  # told through `archive` when its sequence leaves the engine
+    # told through `archive` when its sequence leaves the engine; drafts in another process
+    needs = Needs(archive=True, remote=True)
     runtime = None  # drafting costs the target nothing (another process's cores)
 
-    def __init__(self, worker: DrafterProcess, cfg: DisaggregateConfig):
-        self.worker, self.cfg = worker, cfg
-        self.session = 0
+    def __init__(self, worker: DrafterProcess, cfg: DisaggregateConfig,
+                 hub: DrafterHub | None = None, slots: int = 0,
+                 group: AsyncDraftBatch | None = None):
+        self.worker, self.cfg, self.slots, self.group = worker, cfg, slots, group
+        self.hub = hub if hub is not None else DrafterHub(worker)
+        self.session = 0  # 0: no sequence open at the worker
         self.root_tokens: list[int] | None = None  # the sequence up to the pending token
         # the worker's tree as of its last Rooted (nodes arrive in that frame), and the
         # verdicts sent since, which it has not yet answered
@@ -152,46 +170,42 @@ class AsyncDraftProposer:
         self.waited_s, self.empty, self.ahead_used = 0.0, 0, 0
 
     def prefill(self, prompt: list[int]) -> None:
-        self.session = self.worker.new_session()
+        self.hub.close(self.session)
         self.root_tokens, self.tree, self.pending, self.confirmed = (
             None, AheadTree(FIRST_ROOT), [], 0)
         self.newest = self.framed = -1  # (a session's node ids start again at 0)
-        self._send(Prefill(self.session, list(prompt)))  # the worker feeds it meanwhile
+        if self.failure is not None:
+            return
+        self.session = self.hub.open()
+        self._send(Prefill(self.session, list(prompt), self.slots))  # fed meanwhile
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig,
                 generator: torch.Generator) -> Draft:
         if self.failure is not None:
             return Draft.empty()
         try:
-            self._advance(tokens, sampling, generator)
+            self.advance(tokens, sampling, generator)
             view = self._collect() if k else None
         except DrafterGone as e:
             self._fail(str(e))
             return Draft.empty()
-        if view is None or not len(view):
-            self.empty += view is not None
-            return Draft.empty()
-        ids, drafted, parents = view.draft(k)
-        self.ahead_used += sum(1 for i in ids if self.pending or i <= self.framed)
-        q = [view.nodes[i].q for i in ids]
-        chain = parents == list(range(-1, len(ids) - 1))
-        return Draft(torch.tensor(drafted, dtype=torch.long),  # [K]
-                     None if q[0] is None else torch.stack(q),  # [K, V]
-                     None if chain else torch.tensor(parents, dtype=torch.long))
+        return self.take(view, k)
 
     def commit(self, num_final: int) -> None:
         pass  # the verdict goes out with the next propose, which sees the committed tokens
 
     def rest(self) -> None:
         """The sequence ended: the worker stops drafting ahead for it (else it drafts on to
-        `ahead` nodes, on its own cores, before it idles)."""
-        self._send(Rest())
+        `ahead` nodes, on its own cores, before it idles) and frees its region in a pool."""
+        if self.session and self.session in self.hub.inboxes:
+            self._send(Rest(self.session))
+        self.hub.close(self.session)
 
     def archive(self, output: list[int]) -> None:
         self.rest()  # (the engine's hook for a sequence leaving it; the output is not kept)
 
-    def _advance(self, tokens: list[int], sampling: SamplingConfig,
-                 generator: torch.Generator) -> None:
+    def advance(self, tokens: list[int], sampling: SamplingConfig,
+                generator: torch.Generator) -> None:
         """Tell the worker what the target committed since the last root."""
         root = self.root_tokens
         if root is not None and tokens[:len(root)] == root:
@@ -205,46 +219,52 @@ class AsyncDraftProposer:
                              self.cfg.lookup))
         self.root_tokens = list(tokens)
 
-    def _view(self) -> AheadTree:
-        """The tree under the pending token: the worker's last confirmed frame re-rooted by the
-        verdicts it has not answered yet, as it will re-root them (with at least these nodes:
-        the pipe keeps order, so the first child holding a token is found alike)."""
+    def take(self, view: AheadTree | None, k: int) -> Draft:
+        """Up to k nodes of `view`, the tree under the pending token (None: none asked)."""
+        if view is None or not len(view):
+            self.empty += view is not None
+            return Draft.empty()
+        ids, drafted, parents = view.draft(k)
+        self.ahead_used += sum(1 for i in ids if self.pending or i <= self.framed)
+        q = [view.nodes[i].q for i in ids]
+        chain = parents == list(range(-1, len(ids) - 1))
+        return Draft(torch.tensor(drafted, dtype=torch.long),  # [K]
+                     None if q[0] is None else torch.stack(q),  # [K, V]
+                     None if chain else torch.tensor(parents, dtype=torch.long))
+
+    def view(self) -> AheadTree:
+        """Read every message that has arrived -> the tree under the pending token: the
+        worker's last confirmed frame re-rooted by the verdicts it has not answered yet, as it
+        will re-root them (with at least these nodes: the channel keeps order, so the first
+        child holding a token is found alike)."""
+        self._drain()
         view = self.tree
         for n, tokens in enumerate(self.pending, start=self.confirmed + 1):
             view = view.reroot(tokens, FIRST_ROOT - n)
         return view
 
     def _collect(self) -> AheadTree:
-        """Read every message that has arrived -> the tree under the pending token; where it is
-        empty, wait up to wait_s for a first node."""
-        channel, deadline = self.worker.channel, None
+        """The tree under the pending token; where it is empty, wait up to wait_s for a first
+        node."""
+        deadline = None
         while True:
-            self._drain()
-            view = self._view()
+            view = self.view()
             now = time.perf_counter()
             if len(view):
                 return view
             deadline = deadline or now + self.cfg.wait_s
             if now >= deadline:
                 return view
-            arrived = channel.poll(deadline - now)
+            self.hub.pump(deadline - now)
             self.waited_s += time.perf_counter() - now
-            if not arrived and not self.worker.alive:
-                raise DrafterGone("the drafter worker exited")
 
     def _drain(self) -> None:
-        """Take in every message that has arrived: nodes into the confirmed frame, each Rooted
-        re-rooting it by the verdict it answers."""
-        channel = self.worker.channel
-        while channel.poll(0):
-            try:
-                msg = channel.recv()
-            except (EOFError, OSError) as e:
-                raise DrafterGone(f"the drafter worker is gone ({type(e).__name__})") from e
-            if isinstance(msg, Failed):
+        """Take in every message that has arrived for this sequence: nodes into the confirmed
+        frame, each Rooted re-rooting it by the verdict it answers."""
+        self.hub.pump(0)
+        for msg in self.hub.take(self.session):
+            if isinstance(msg, Dropped):
                 raise DrafterGone(msg.message)
-            if isinstance(msg, Drafted | Rooted) and msg.session != self.session:
-                continue  # about a sequence before this one
             if isinstance(msg, Drafted):
                 q = None if msg.q is None else torch.from_numpy(msg.q)  # [V]
                 self.tree.add(msg.node, AheadNode(msg.parent, msg.token, q))
@@ -260,11 +280,63 @@ class AsyncDraftProposer:
         if self.failure is not None:
             return
         try:
-            self.worker.channel.send(msg)
-        except OSError as e:  # the worker's end is closed: it died
-            self._fail(f"the drafter worker is gone ({type(e).__name__})")
+            self.hub.send(msg)
+        except DrafterGone as e:
+            self._fail(str(e))
+
+    def fail(self, why: str) -> None:
+        """Decode on plainly from now on (the worker stopped drafting for this sequence)."""
+        self._fail(why)
 
     def _fail(self, why: str) -> None:
         self.failure = why
+        self.hub.close(self.session)
         warnings.warn(f"--disaggregate: {why}; this request decodes on without drafts (plain)",
                       RuntimeWarning, stacklevel=3)
+
+
+class AsyncDraftBatch:
+    """The batch's side of one worker drafting for all its members (their proposers' `group`):
+    each step sends every member's verdict, then takes what the worker has drafted for each,
+    waiting at most `wait_s` in all (not per member) for members with nothing ready yet; a
+    member still without a node runs k = 0 in that pass."""
+
+    def __init__(self, hub: DrafterHub, wait_s: float):
+        self.hub, self.wait_s = hub, wait_s
+        self.waited_s = 0.0  # seconds the batch's passes waited for first nodes
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        views: dict[int, AheadTree | None] = {}
+        for i, r in enumerate(requests):
+            p = r.proposer
+            if p.failure is None:
+                try:
+                    p.advance(r.tokens, r.sampling, r.generator)
+                    views[i] = AheadTree(FIRST_ROOT) if r.k else None
+                except DrafterGone as e:
+                    p.fail(str(e))
+        started = time.perf_counter()
+        deadline = started + self.wait_s
+        while True:
+            for i in [i for i, v in views.items() if v is not None]:
+                try:
+                    views[i] = requests[i].proposer.view()
+                except DrafterGone as e:
+                    requests[i].proposer.fail(str(e))
+                    views.pop(i)
+            now = time.perf_counter()
+            if now >= deadline or all(v is None or len(v) for v in views.values()):
+                break
+            try:
+                self.hub.pump(deadline - now)
+            except DrafterGone:
+                continue  # every member's view fails next round, and falls back to plain
+        self.waited_s += time.perf_counter() - started
+        return [requests[i].proposer.take(views[i], r.k) if i in views else Draft.empty()
+                for i, r in enumerate(requests)]
+
+    def backlog(self, proposer: AsyncDraftProposer, tokens: list[int]) -> int:
+        return 0  # the worker feeds its own model, on its own cores
+
+    def release(self, proposer: AsyncDraftProposer) -> None:
+        proposer.rest()  # (its region in the worker's pool is freed there)

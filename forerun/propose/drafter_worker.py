@@ -1,11 +1,14 @@
 """The drafter worker of the asynchronous pipeline: a draft model in a process of its own,
 drafting ahead while the target verifies, and the message protocol between the two.
 
-Owns: the messages (`Prefill`, `Begin`, `Verdict`, `Rest`, `Shutdown` one way; `Ready`, `Drafted`,
-`Rooted`, `Failed` the other), the worker's loop (`serve`), and `DrafterProcess`, which starts it on
-its own cores and hands back its `Channel`. A Channel is anything with `send`, `poll` and
-`recv` of picklable objects (a multiprocessing Connection here; a Ray actor's queue could carry
-the same messages), so nothing here knows what sits at the other end.
+Owns: the worker's one-sequence loop (`serve`), and `DrafterProcess`, which starts it on its
+own cores and hands back its `Channel`. The messages (`Prefill`, `Begin`, `Verdict`, `Rest`,
+`Pool`, `Shutdown` one way; `Ready`, `Drafted`, `Rooted`, `Dropped`, `Failed` the other) are
+`forerun.propose.drafter_messages`'s, re-exported here. A Channel is anything with `send`,
+`poll` and `recv` of picklable objects (a multiprocessing Connection here; a Ray actor's queue
+could carry the same messages), so nothing here knows what sits at the other end. A `Pool`
+message turns the worker into a batch's drafter for good (`forerun.propose.drafter_pool`: a
+region per sequence, one draft pass for all of them).
 
 The loop: after `Begin` (the sequence so far, its sampling settings and a seed), the worker
 keeps extending the first-drafted line of its `AheadTree` (forerun.propose.reroot) one token a
@@ -31,93 +34,42 @@ import contextlib
 import multiprocessing
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 
 from forerun.processors import process_row
+from forerun.propose.drafter_messages import (
+    FIRST_ROOT,
+    Begin,
+    Channel,
+    Drafted,
+    DrafterGone,
+    Dropped,
+    Failed,
+    Pool,
+    Prefill,
+    Ready,
+    Rest,
+    Rooted,
+    Shutdown,
+    Verdict,
+    common_prefix,
+    to_host,
+    to_vocab,
+)
+from forerun.propose.drafter_pool import serve_pool
 from forerun.propose.ngram import SuffixIndex
 from forerun.propose.reroot import AheadNode, AheadTree
 from forerun.runtime.base import Runtime
-from forerun.sampling import SamplingConfig, logits_to_probs, make_generator, sample
+from forerun.sampling import logits_to_probs, make_generator, sample
+
+__all__ = ["FIRST_ROOT", "Begin", "Channel", "Drafted", "DrafterGone", "DrafterProcess", "Dropped",
+           "Failed", "Pool", "Prefill", "Ready", "Rest", "Rooted", "Shutdown", "Verdict", "pin",
+           "serve"]
 
 START_TIMEOUT_S = 600.0  # the most a worker may take to load its draft model and say Ready
 STOP_TIMEOUT_S = 5.0  # the most a worker is given to exit after Shutdown before it is killed
 LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 4  # the suffix lengths a lookup guess matches
-FIRST_ROOT = -1  # the root's id after Begin; the n-th verdict's fresh root is FIRST_ROOT - n
-
-
-# proposer -> worker
-@dataclass(frozen=True)
-class Prefill:
-    session: int  # the sequence's number (messages about an older one are dropped)
-    prompt: list[int]
-
-
-@dataclass(frozen=True)
-class Begin:
-    session: int
-    tokens: list[int]  # the sequence so far: the prompt and the prefill's token (the root)
-    sampling: SamplingConfig
-    seed: int  # of the worker's own generator (its draws are never the verifier's)
-    ahead: int  # the most nodes drafted past the root
-    lookup: int = 0  # greedy: prompt-lookup guesses the draft model checks in a pass (0: off)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    session: int
-    tokens: list[int]  # committed behind the root: the accepted path, then bonus or recovered
-
-
-@dataclass(frozen=True)
-class Rest:
-    """Stop drafting for the current sequence (it ended): the core goes idle."""
-
-
-@dataclass(frozen=True)
-class Shutdown:
-    pass
-
-
-# worker -> proposer
-@dataclass(frozen=True)
-class Ready:
-    pid: int
-
-
-@dataclass(frozen=True)
-class Drafted:
-    session: int
-    node: int  # its id, global and fixed (see forerun.propose.reroot)
-    parent: int
-    token: int
-    q: Any = None  # [V] numpy array: the distribution it was drawn from; None = greedy
-
-
-@dataclass(frozen=True)
-class Rooted:
-    session: int
-    verdict: int  # the session's verdicts so far (this one included)
-    root: int  # the root's id after it
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-class Channel(Protocol):
-    def send(self, obj: Any) -> None: ...
-
-    def poll(self, timeout: float | None = 0.0) -> bool: ...
-
-    def recv(self) -> Any: ...
-
-
-class DrafterGone(RuntimeError):
-    """The worker died, failed, or closed its end."""
 
 
 def pin(cores: tuple[int, ...] | None) -> None:
@@ -160,7 +112,7 @@ class _Session:
         draft token this pass makes too, so copied text drafts several tokens a pass."""
         tip, path = self.tree.tip()
         line = [*self.committed, *path]
-        same = _common(cached, line)
+        same = common_prefix(cached, line)
         if same < len(cached):  # the verdict dropped what the cache was built on
             self.runtime.truncate(same)
         room = self.room() - 1  # beyond the token this pass drafts anyway
@@ -169,10 +121,10 @@ class _Session:
         rows = self.runtime.forward(feed, last_only=not guesses).logits[-len(guesses) - 1:]
         made: list[Drafted] = []
         for j in range(len(guesses) + 1):
-            token, q = self._pick(_to_vocab(rows[j], self.vocab_size), line)  # rows: [G+1, V]
+            token, q = self._pick(to_vocab(rows[j], self.vocab_size), line)  # rows: [G+1, V]
             node, self.next_id = self.next_id, self.next_id + 1
             self.tree.add(node, AheadNode(tip, token, q))
-            made.append(Drafted(self.session, node, tip, token, None if q is None else _host(q)))
+            made.append(Drafted(self.session, node, tip, token, None if q is None else to_host(q)))
             tip = node
             if j == len(guesses) or guesses[j] != token:
                 break
@@ -188,29 +140,6 @@ class _Session:
             return int(logits.argmax(-1)), None
         probs = logits_to_probs(logits, self.sampling)  # [V]
         return int(sample(probs, self.generator)), probs
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _host(q: torch.Tensor):
-    """q [V] as a numpy array, exactly (a half type widened to float32: no rounding)."""
-    if q.dtype in (torch.bfloat16, torch.float16):
-        q = q.float()
-    return q.cpu().numpy()
-
-
-def _to_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
-    """The draft's logits [V_draft] padded or cut to the target's vocabulary (one tokenizer)."""
-    if logits.shape[-1] >= size:
-        return logits[:size]
-    return torch.cat([logits, logits.new_full((size - logits.shape[-1],), float("-inf"))])
 
 
 def serve(channel: Channel, build: Callable[[], Runtime], vocab_size: int,
@@ -237,6 +166,9 @@ def serve(channel: Channel, build: Callable[[], Runtime], vocab_size: int,
                 continue
             msg = channel.recv()
             if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, Pool):  # a batch: from now on many sequences, one pass for all
+                serve_pool(channel, runtime, vocab_size, msg)
                 return
             if isinstance(msg, Rest):
                 session = None
