@@ -132,6 +132,31 @@ def test_the_pool_budget_is_not_resident_until_written():
     assert rss() - before < 256 << 20
 
 
+def test_a_freed_region_leaves_rss_and_its_neighbours_keep_their_kv():
+    """Releasing a member drops its region's whole pages (RSS follows the KV in use, not the
+    peak): they read as zeros; the regions on either side keep every value."""
+    if os.uname().sysname != "Linux":
+        pytest.skip("madvise(MADV_DONTNEED) semantics are Linux's")
+    pool = CachePool(n_layers=4, n_kv_heads=2, head_dim=64, budget_bytes=1 << 30,
+                     dtype=torch.bfloat16)
+    left, mid, right = (pool.allocate(n) for n in (1000, 200_000, 1000))
+    spans = {h: slice(pool.region(h).start, pool.region(h).start + pool.region(h).size)
+             for h in (left, mid, right)}
+    for value, h in enumerate((left, mid, right), start=1):
+        pool.k[:, :, spans[h]] = value
+        pool.v[:, :, spans[h]] = -value
+    before = rss_bytes(os.getpid())
+    pool.release(mid)  # 200k slots x 4 layers x 2 heads x 64 x 2 bytes x (K, V): ~400 MB
+    assert rss_bytes(os.getpid()) < before - (300 << 20)
+    inner = slice(spans[mid].start + 32, spans[mid].stop - 32)  # a 4 KiB page holds 32 slots
+    assert not pool.k[:, :, inner].any() and not pool.v[:, :, inner].any()
+    for value, h in ((1, left), (3, right)):
+        assert (pool.k[:, :, spans[h]] == value).all() and (pool.v[:, :, spans[h]] == -value).all()
+    again = pool.allocate(200_000)  # the slots serve the next member as before
+    pool.k[:, :, pool.region(again).start] = 7.0
+    assert (pool.k[:, :, spans[right]] == 3).all()
+
+
 def test_a_member_over_its_reservation_or_the_context_is_refused():
     batch_rt, _ = _pair()
     s = batch_rt.add(4)

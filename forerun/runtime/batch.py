@@ -38,7 +38,7 @@ import torch
 
 from forerun.runtime.base import Capabilities, ForwardOutput, Resume
 from forerun.runtime.batch_static import BatchStaticPasses
-from forerun.runtime.memory import lazy_zeros
+from forerun.runtime.memory import lazy_zeros, release_slots
 from forerun.runtime.torch_model import TorchRuntime, attend, attend_rows, rms_norm, rope_tables
 
 
@@ -219,6 +219,10 @@ class CachePool:
         self._free_span(region.start, region.size)
 
     def _free_span(self, start: int, size: int) -> None:
+        """Return slots to the free list, and their pages to the OS (RSS follows the KV in
+        use, not its high-water mark; the slots read as zeros again)."""
+        release_slots(self.k, start, start + size)  # [L, Hkv, S + 1, hd]
+        release_slots(self.v, start, start + size)
         spans = sorted([*self._free, (start, size)])
         merged: list[tuple[int, int]] = []
         for start, size in spans:  # coalesce neighbours
