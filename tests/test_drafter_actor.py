@@ -11,18 +11,23 @@ tests/test_disaggregate.py, each drafter actor on one CPU beside the target's on
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_runtime
 from test_disaggregate import GREEDY_V, greedy_run
 
+from forerun import Engine, LoadConfig, SpecConfig
 from forerun.cluster.drafter_actor import (
     DRAFTER_BUNDLE,
     ENDED,
@@ -203,3 +208,77 @@ def test_spread_is_asked_of_the_cluster(ray_cluster):
         assert proposer.ahead_used > 0  # nodes drafted while the target verified were used
     finally:
         worker.close()
+
+
+# --- a Ray Serve replica's drafter bundle -------------------------------------------------------
+
+@dataclass(frozen=True)
+class DraftingReplica:
+    """A replica's engine factory that first drafts from inside the replica: a drafter actor
+    started there (as the Engine starts one), a greedy request through it, what it saw written
+    to `report`; then a plain engine, the replica's, holding the drafter alive."""
+
+    model_dir: str
+    report: str
+
+    def __call__(self) -> Engine:
+        from ray.util import get_current_placement_group
+        from ray.util.placement_group import placement_group_table
+
+        from forerun.cluster.drafter_actor import start_ray_drafter
+
+        cfg = DisaggregateConfig(wait_s=1.0, ahead=8)
+        worker, _ = start_ray_drafter(tiny_build(), GREEDY_V, cfg, "PACK",
+                                      os.sched_getaffinity(0))
+        target, prompt = tiny_runtime(0, vocab=GREEDY_V), [1, 2, 3, 4]
+        plain = [t for s in plain_decode(target, prompt, SamplingConfig(), 20, (),
+                                         make_generator(0)) for t in s.tokens]
+        steps = list(speculative_decode(target, AsyncDraftProposer(worker, cfg), FixedK(4),
+                                        prompt, SamplingConfig(), 20, (), make_generator(0)))
+        Path(self.report).write_text(json.dumps({
+            "identical": [t for s in steps for t in s.tokens] == plain,
+            "drafted": sum(s.drafted for s in steps),
+            "own_group": worker.owns_group,
+            "same_group": worker.group.id == get_current_placement_group().id,
+            "bundles": {str(k): v for k, v in placement_group_table(worker.group)["bundles"]
+                        .items()}}))
+        engine = Engine(self.model_dir, None, spec=SpecConfig("none"),
+                        load=LoadConfig(dtype="float64"))
+        engine.drafter = worker  # closed with the engine
+        return engine
+
+
+def test_a_replica_drafts_from_its_own_bundle(ray_cluster, pair_dirs, tmp_path):
+    """`forerun serve --ray --disaggregate`'s layout: the replica deployed in a placement
+    group of its target's and its drafter's bundle; a drafter started inside it goes into the
+    second, and drafts exactly."""
+    from ray import cloudpickle, serve
+
+    from forerun.cluster.deploy import deploy
+    from forerun.cluster.spec import APP_NAME, ClusterConfig, ReplicaSpec, WorkerSettings
+    from forerun.serve.app import ServeConfig
+
+    report = tmp_path / "replica.json"
+    config = ClusterConfig(replicas=1, cores_per_replica=1, port=free_port(), pin=False,
+                           draft_cores=1)
+    spec = ReplicaSpec(DraftingReplica(str(pair_dirs / "target"), str(report)),
+                       WorkerSettings(slots=2, max_queue=2, calibrate=False),
+                       ServeConfig("tiny"))
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the replica lacks tests/
+    try:
+        deploy(spec, config)
+        seen = json.loads(report.read_text())
+    finally:
+        with contextlib.suppress(Exception):
+            serve.delete(APP_NAME)
+        serve.shutdown()
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert seen["identical"] and seen["drafted"] > 0
+    assert seen["same_group"] and not seen["own_group"]
+    assert seen["bundles"] == {str(TARGET_BUNDLE): {"CPU": 1.0}, str(DRAFTER_BUNDLE): {"CPU": 1.0}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

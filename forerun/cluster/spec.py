@@ -3,8 +3,8 @@
 Owns: `EngineRecipe` (the engine a replica loads: model paths and configs, never the weights
 themselves: each replica loads them in its own process, on its own node), `WorkerSettings` (the
 server's limits, as `forerun serve` takes them), `ReplicaSpec` (both, plus the app's
-`ServeConfig`), `ClusterConfig` (replicas, cores, address, ports) and `pin_cores` (which CPUs
-a replica's threads run on). Imports neither Ray nor a model.
+`ServeConfig`), `ClusterConfig` (replicas, cores, a drafter's cores, address, ports) and
+`pin_cores` (which CPUs a replica's threads run on). Imports neither Ray nor a model.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from forerun.serve.worker import LoadShedding
 APP_NAME = "forerun"  # the Ray Serve application's name
 HEALTH_CHECK_PERIOD_S = 2.0  # how often Ray Serve calls a replica's check_health
 HEALTH_CHECK_TIMEOUT_S = 30.0  # a replica this long without answering is replaced
+REPLICA_DRAFT_CORES = 1  # --disaggregate: a replica's drafter actor's CPUs
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,22 @@ class ClusterConfig:
     port: int = 8000
     prefix_routing: bool = True  # route by the prompt's first block (with prefix caching on)
     pin: bool = True  # pin each replica's threads to its own cores where they fit on its node
+    # --disaggregate: each replica's drafter worker is a Ray actor on this many CPUs of its own,
+    # in the replica's placement group (forerun.cluster.drafter_actor); 0: none
+    draft_cores: int = 0
+    strategy: str = "PACK"  # the replica's placement group (with draft_cores): PACK or SPREAD
 
     def __post_init__(self):
         if self.replicas < 1 or self.cores_per_replica < 1:
             raise ValueError(f"need replicas >= 1 and cores per replica >= 1, got "
                              f"{self.replicas} and {self.cores_per_replica}")
+        if self.draft_cores < 0:
+            raise ValueError(f"need draft cores >= 0, got {self.draft_cores}")
+
+    @property
+    def node_cores(self) -> int:
+        """CPUs one replica takes: its target's, and its drafter's."""
+        return self.cores_per_replica + self.draft_cores
 
 
 def pin_cores(local_rank: int, cores: int) -> list[int] | None:

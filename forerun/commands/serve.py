@@ -253,7 +253,13 @@ def run_on_ray(args, api_key: str | None, kv_bytes: int, prefix_bytes: int,
                err: Console) -> int:
     """--ray: deploy replicas of this server on a Ray cluster and serve until stopped."""
     from forerun.cluster.deploy import serve_until_stopped
-    from forerun.cluster.spec import ClusterConfig, EngineRecipe, ReplicaSpec, WorkerSettings
+    from forerun.cluster.spec import (
+        REPLICA_DRAFT_CORES,
+        ClusterConfig,
+        EngineRecipe,
+        ReplicaSpec,
+        WorkerSettings,
+    )
     from forerun.serve.app import ServeConfig
     from forerun.serve.worker import LoadShedding
 
@@ -275,8 +281,14 @@ def run_on_ray(args, api_key: str | None, kv_bytes: int, prefix_bytes: int,
     config = ServeConfig(name, api_key, args.max_body_bytes, args.max_tokens_limit,
                          args.max_tokens, allowed_hosts(args.host, args.port, args.allowed_host),
                          args.metrics_auth)
+    if spec.disaggregate and (args.draft_cores or args.target_cores):
+        raise ValueError("--ray --disaggregate: each replica takes --replica-cores CPUs and its "
+                         "drafter one more; --draft-cores and --target-cores name this "
+                         "machine's cores")
     cluster = ClusterConfig(args.replicas, args.replica_cores, args.ray_address, args.host,
-                            args.port, prefix_routing=prefix_bytes > 0)
+                            args.port, prefix_routing=prefix_bytes > 0,
+                            draft_cores=REPLICA_DRAFT_CORES if spec.disaggregate else 0,
+                            strategy=args.ray_strategy)
     err.print(f"deploying {args.replicas} replicas of {name!r} ({args.method}, "
               f"{args.replica_cores} CPUs each) on {args.ray_address or 'a local Ray cluster'}",
               highlight=False)
