@@ -7,22 +7,46 @@ leave, a member preempted and recomputed); every member drafted, and every seque
 closed its session (its region freed at the worker); draft = target accepts everything; the
 sampled members' joint law over NEW_TOKENS tokens is the target's exact one (a chi-square test
 against `test_disaggregate.exact_joint`, false-failure rate ALPHA); a worker killed mid-batch
-leaves every member decoding plainly to its solo output, and the batch goes on.
+leaves every member decoding plainly to its solo output, and the batch goes on. Through
+`forerun serve --disaggregate` (the real CLI in a subprocess, the real `openai` client, requests
+at once) every response equals its solo plain greedy output.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from conftest import tiny_model, tiny_runtime
 from scipy.stats import chisquare
 from test_batch_engine import BUDGET, PROMPTS, _solo
-from test_disaggregate import ALPHA, NEW_TOKENS, PROMPT, V, exact_joint
+from test_disaggregate import (  # noqa: F401  (a fixture)
+    ALPHA,
+    NEW_TOKENS,
+    PROMPT,
+    V,
+    cli,
+    exact_joint,
+    pair_dirs,
+)
+from test_serve import (  # noqa: F401  (fixtures)
+    KEY,
+    NAME,
+    client,
+    extra,
+    free_port,
+    model_dirs,
+    reference,
+    wait_healthy,
+)
 
 from forerun.batch_session import BatchSession
 from forerun.propose import SpecConfig
@@ -187,3 +211,62 @@ def test_a_worker_killed_mid_batch_leaves_every_member_plain():
         assert later == [_solo(PROMPTS[4], 15)]
     finally:
         worker.close()
+
+
+SERVE_PROMPTS = ["Hello there", "def f(x):", "The quick brown fox", "abcabcabc", "1, 2, 3, 4,"]
+
+
+def test_serve_disaggregated_answers_equal_solo_greedy(model_dirs, reference,  # noqa: F811
+                                                       tmp_path):
+    port, log = free_port(), tmp_path / "serve.log"
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "forerun.cli", "serve", "--target", str(model_dirs[0]),
+             "--draft", str(model_dirs[1]), "--method", "draft", "-k", "3", "--disaggregate",
+             "--draft-cores", str(DRAFT_CORES[0]), "--disaggregate-wait", "0.5",
+             "--spec-policy", "always", "--dtype", "float64", "--draft-dtype", "float64",
+             "--port", str(port), "--api-key-file", str(key_file), "--served-model-name", NAME,
+             "--max-concurrent", "4", "--no-calibrate", "--log-level", "warning"],
+            stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, lambda: proc.poll() is None, log.read_text)
+
+        def ask(prompt: str):
+            return client(base).completions.create(model=NAME, prompt=prompt, max_tokens=20,
+                                                   temperature=0)
+
+        with ThreadPoolExecutor(len(SERVE_PROMPTS)) as pool:  # 5 requests, 4 at a time
+            answers = list(pool.map(ask, SERVE_PROMPTS))
+        for prompt, out in zip(SERVE_PROMPTS, answers, strict=True):
+            want = reference(prompt, 20)
+            assert out.choices[0].text == want.text, prompt
+            assert out.usage.completion_tokens == len(want.token_ids)
+        assert sum((extra(a.choices[0], "speculation") or {}).get("drafted", 0)
+                   for a in answers) > 0  # the worker drafted for them
+        assert ask(SERVE_PROMPTS[0]).choices[0].text == reference(SERVE_PROMPTS[0], 20).text
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)  # (this server's own process, by its id)
+        proc.wait(30)
+    text = log.read_text()
+    assert "Traceback" not in text and "drafting in process instead" not in text, text
+
+
+def test_generate_batch_disaggregated_equals_plain_batch(pair_dirs, tmp_path):  # noqa: F811
+    lines = tmp_path / "batch.jsonl"
+    lines.write_text("\n".join(json.dumps({"prompt": p, "max_tokens": n}) for p, n in (
+        ("Write a sort.", 14), ("abc abc abc", 10), ("Hi", 12), ("def f(x): return", 16))))
+    runs = {}
+    for name, extra_args in (("plain", ["--method", "none"]),
+                             ("apart", ["--disaggregate", "--draft-cores",
+                                        str(DRAFT_CORES[0])])):
+        r = cli("generate", "--target", str(pair_dirs / "target"), "--draft",
+                str(pair_dirs / "draft"), "--dtype", "float64", "--draft-dtype", "float64",
+                "--batch", str(lines), "--max-batch", "3", *extra_args)
+        assert r.returncode == 0, r.stderr
+        assert "drafting in process instead" not in r.stderr
+        runs[name] = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [o["token_ids"] for o in runs["apart"]] == [o["token_ids"] for o in runs["plain"]]
+    assert sum(o["stats"]["drafted"] for o in runs["apart"]) > 0

@@ -181,10 +181,6 @@ def _run_batch(args) -> int:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.kv_budget <= 0:
         raise ValueError(f"--kv-budget must be > 0 GiB, got {args.kv_budget}")
-    if args.disaggregate:  # a batch's lines share one pass; one worker drafts one sequence
-        err.print("--disaggregate: the drafter worker drafts one sequence at a time and --batch "
-                  "decodes its lines together; drafting in process instead", highlight=False)
-        args.disaggregate = False
     engine = load_engine(args)
     prompts = [r["messages"] if "messages" in r else
                engine.tokenizer.encode_prompt(r["prompt"], raw=args.raw, system=args.system)

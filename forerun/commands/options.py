@@ -159,8 +159,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disaggregate", action="store_true",
                    help="--method draft: the draft model drafts ahead in a worker process on "
                         "cores of its own while the target verifies (an asynchronous pipeline; "
-                        "lossless, but a seed no longer reproduces a sampled run); one sequence "
-                        "at a time: serve and generate --batch draft in process instead")
+                        "lossless, but a seed no longer reproduces a sampled run); under serve and "
+                        "generate --batch one worker drafts for every sequence of the batch, "
+                        "one draft pass for all, and a pass takes what is ready (members with "
+                        "nothing ready decode plainly in it)")
     g.add_argument("--draft-cores", type=cores_arg, default=None, metavar="CPUS",
                    help="--disaggregate: the drafter's CPU cores, as 1 or 2,3 or 2-3 "
                         "(default: the last one)")

@@ -192,10 +192,6 @@ def run(args) -> int:
     prefix_bytes = (kv_bytes // 4 if args.prefix_cache_gb is None
                     else int(args.prefix_cache_gb * 2**30))
     online = online_config(args)
-    if args.disaggregate:  # the server batches its requests; one worker drafts one sequence
-        err.print("--disaggregate: the drafter worker drafts one sequence at a time and the "
-                  "server batches its requests; drafting in process instead", highlight=False)
-        args.disaggregate = False
     if args.ray:
         return run_on_ray(args, api_key, kv_bytes, prefix_bytes, err)
     engine = load_engine(args, err)
