@@ -35,6 +35,7 @@ from forerun.cluster.drafter_actor import (
     DrafterActor,
     DrafterPlacement,
 )
+from forerun.cluster.spec import EngineRecipe
 from forerun.engine import speculative_decode
 from forerun.policy import FixedK
 from forerun.propose.disaggregate import AsyncDraftProposer, DisaggregateConfig
@@ -43,6 +44,7 @@ from forerun.reference import plain_decode
 from forerun.sampling import SamplingConfig, make_generator
 
 HANG_S = 60  # a wait this long only catches a hang
+PROMPT, MAX_TOKENS = "Write a sort.", 16  # a request to a replica
 CORES = sorted(os.sched_getaffinity(0))
 
 
@@ -213,66 +215,67 @@ def test_spread_is_asked_of_the_cluster(ray_cluster):
 # --- a Ray Serve replica's drafter bundle -------------------------------------------------------
 
 @dataclass(frozen=True)
-class DraftingReplica:
-    """A replica's engine factory that first drafts from inside the replica: a drafter actor
-    started there (as the Engine starts one), a greedy request through it, what it saw written
-    to `report`; then a plain engine, the replica's, holding the drafter alive."""
+class ReportingRecipe:
+    """A replica's engine: `recipe`'s, its drafter a Ray actor; before it serves, where the
+    drafter went and one greedy request through it (drafted, equal to plain) go to `report`."""
 
-    model_dir: str
+    recipe: EngineRecipe
     report: str
 
     def __call__(self) -> Engine:
         from ray.util import get_current_placement_group
         from ray.util.placement_group import placement_group_table
 
-        from forerun.cluster.drafter_actor import start_ray_drafter
-
-        cfg = DisaggregateConfig(wait_s=1.0, ahead=8)
-        worker, _ = start_ray_drafter(tiny_build(), GREEDY_V, cfg, "PACK",
-                                      os.sched_getaffinity(0))
-        target, prompt = tiny_runtime(0, vocab=GREEDY_V), [1, 2, 3, 4]
-        plain = [t for s in plain_decode(target, prompt, SamplingConfig(), 20, (),
-                                         make_generator(0)) for t in s.tokens]
-        steps = list(speculative_decode(target, AsyncDraftProposer(worker, cfg), FixedK(4),
-                                        prompt, SamplingConfig(), 20, (), make_generator(0)))
+        engine = self.recipe()
+        drafter, ids = engine.drafter, engine.tokenizer.encode_prompt(PROMPT, raw=True)
+        spec = engine.generate(ids, max_tokens=MAX_TOKENS)
+        plain = engine.generate(ids, max_tokens=MAX_TOKENS, spec=SpecConfig("none"))
         Path(self.report).write_text(json.dumps({
-            "identical": [t for s in steps for t in s.tokens] == plain,
-            "drafted": sum(s.drafted for s in steps),
-            "own_group": worker.owns_group,
-            "same_group": worker.group.id == get_current_placement_group().id,
-            "bundles": {str(k): v for k, v in placement_group_table(worker.group)["bundles"]
+            "identical": spec.token_ids == plain.token_ids, "drafted": spec.stats.drafted,
+            "own_group": drafter.owns_group,
+            "same_group": drafter.group.id == get_current_placement_group().id,
+            "bundles": {str(k): v for k, v in placement_group_table(drafter.group)["bundles"]
                         .items()}}))
-        engine = Engine(self.model_dir, None, spec=SpecConfig("none"),
-                        load=LoadConfig(dtype="float64"))
-        engine.drafter = worker  # closed with the engine
         return engine
 
 
-def test_a_replica_drafts_from_its_own_bundle(ray_cluster, pair_dirs, tmp_path):
+def test_serve_ray_disaggregate_drafts_from_the_replicas_own_bundle(ray_cluster, pair_dirs,
+                                                                     tmp_path):
     """`forerun serve --ray --disaggregate`'s layout: the replica deployed in a placement
-    group of its target's and its drafter's bundle; a drafter started inside it goes into the
-    second, and drafts exactly."""
+    group of its target's and its drafter's bundle, its engine's drafter actor in the second;
+    requests through the ingress equal plain greedy."""
+    import httpx
     from ray import cloudpickle, serve
 
     from forerun.cluster.deploy import deploy
     from forerun.cluster.spec import APP_NAME, ClusterConfig, ReplicaSpec, WorkerSettings
     from forerun.serve.app import ServeConfig
 
-    report = tmp_path / "replica.json"
-    config = ClusterConfig(replicas=1, cores_per_replica=1, port=free_port(), pin=False,
-                           draft_cores=1)
-    spec = ReplicaSpec(DraftingReplica(str(pair_dirs / "target"), str(report)),
-                       WorkerSettings(slots=2, max_queue=2, calibrate=False),
-                       ServeConfig("tiny"))
+    load = LoadConfig(dtype="float64", draft_dtype="float64")
+    recipe = EngineRecipe(str(pair_dirs / "target"), str(pair_dirs / "draft"),
+                          SpecConfig("draft", 3, disaggregate=True, drafter_placement="PACK"),
+                          load)
+    report, port = tmp_path / "replica.json", free_port()
+    config = ClusterConfig(replicas=1, cores_per_replica=1, port=port, pin=False, draft_cores=1)
+    spec = ReplicaSpec(ReportingRecipe(recipe, str(report)),
+                       WorkerSettings(slots=2, max_queue=2, spec_policy="always",
+                                      calibrate=False), ServeConfig("tiny"))
+    solo = Engine(str(pair_dirs / "target"), None, spec=SpecConfig("none"), load=load)
+    want = [solo.generate(solo.tokenizer.encode_prompt(p, raw=True), max_tokens=MAX_TOKENS).text
+            for p in (PROMPT, "def f(x):")]
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the replica lacks tests/
     try:
         deploy(spec, config)
+        got = [httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=HANG_S, json={
+            "model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0}
+        ).json()["choices"][0]["text"] for p in (PROMPT, "def f(x):")]
         seen = json.loads(report.read_text())
     finally:
         with contextlib.suppress(Exception):
             serve.delete(APP_NAME)
         serve.shutdown()
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert got == want
     assert seen["identical"] and seen["drafted"] > 0
     assert seen["same_group"] and not seen["own_group"]
     assert seen["bundles"] == {str(TARGET_BUNDLE): {"CPU": 1.0}, str(DRAFTER_BUNDLE): {"CPU": 1.0}}
