@@ -30,7 +30,13 @@ from forerun.bench.peers import PEER_NAMES, HFPeer, LlamaCppPeer, Peer
 from forerun.bench.runner import INDEX_STATES, BenchConfig, encode, run_bench, runs_per_prompt
 from forerun.bench.serve_bench import add_serve_args
 from forerun.bench.workloads import BUILTIN, Prompt, sample_workloads
-from forerun.commands.options import add_model_args, cores_arg, load_config
+from forerun.commands.options import (
+    add_model_args,
+    add_ray_args,
+    cores_arg,
+    join_ray_drafter,
+    load_config,
+)
 from forerun.models.load import open_model, resolve_dtype
 from forerun.profile import cached_curve
 from forerun.propose import SpecConfig, tree_budget
@@ -131,6 +137,7 @@ def add_parser(sub) -> None:
     t.add_argument("--vllm-draft", default=None, metavar="DIR", help="the draft, likewise")
     add_serve_args(b)
     add_model_args(b)
+    add_ray_args(b)
     b.set_defaults(func=run)
 
 
@@ -159,12 +166,13 @@ def run(args) -> int:
         return serve_bench.run(args, out, _meta(args, load))
     curve = args.mode == "curve"
     wants_draft = curve or "draft" in cfg.methods[:1 if args.mode == "throughput" else None]
+    disaggregate = args.disaggregate and wants_draft
+    spec = SpecConfig("draft" if wants_draft else "none", disaggregate=disaggregate,
+                      draft_cores=args.draft_cores, target_cores=args.target_cores,
+                      drafter_placement=args.ray_strategy if args.ray and disaggregate else None)
+    join_ray_drafter(spec, args.ray_address)
     with Console(stderr=True).status(f"loading {args.target}"):
-        engine = Engine(args.target, args.draft if wants_draft else None,
-                        spec=SpecConfig("draft" if wants_draft else "none",
-                                        disaggregate=args.disaggregate and wants_draft,
-                                        draft_cores=args.draft_cores,
-                                        target_cores=args.target_cores), load=load)
+        engine = Engine(args.target, args.draft if wants_draft else None, spec=spec, load=load)
     meta = _meta(args, load)
     if curve:
         return _verify_curve(engine, args, out, meta, console)

@@ -118,15 +118,22 @@ def load_engine(args: argparse.Namespace, console: Console | None = None) -> Eng
     """The Engine of the model and speculation arguments (the draft only when it drafts)."""
     spec = spec_config(args)
     needs_draft = spec.uses_draft
-    if spec.drafter_placement is not None:  # --disaggregate --ray: join (or start) a cluster
-        from forerun.cluster.drafter_actor import join_cluster
-
-        draft, target = spec.disaggregated().placement(os.sched_getaffinity(0))
-        join_cluster(args.ray_address, len(draft) + len(target))
+    join_ray_drafter(spec, args.ray_address)
     what = f"loading {args.target}" + (f" + {args.draft}" if needs_draft else "")
     with (console or err).status(what):
         return Engine(args.target, args.draft if needs_draft else None, spec=spec,
                       load=load_config(args))
+
+
+def join_ray_drafter(spec: SpecConfig, address: str | None) -> None:
+    """--disaggregate --ray: join the cluster at `address`, or start a local one with the
+    drafter's and the target's cores (nothing without a drafter placement)."""
+    if spec.drafter_placement is None:
+        return
+    from forerun.cluster.drafter_actor import join_cluster
+
+    draft, target = spec.disaggregated().placement(os.sched_getaffinity(0))
+    join_cluster(address, len(draft) + len(target))
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
