@@ -8,6 +8,8 @@ Owns nothing itself; its modules are
 - `replica`: the Ray Serve deployment around one `forerun.serve.worker.Worker`;
 - `ingress`: the Ray Serve ingress: the gate, the routes, replica failures and retries;
 - `deploy`: connecting to (or starting) a cluster, deploying, scaling, stopping.
+- `drafter_actor`: the `--disaggregate` drafter worker as a Ray actor, placed with its target
+  by a placement group (`--disaggregate --ray`, and each replica's under `serve --ray`).
 
 Ray is an optional extra (`pip install forerun[cluster]`): only `router` imports it at module
 level, and only `deploy` imports `router`, when it deploys; forerun imports and works without
