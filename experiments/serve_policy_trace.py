@@ -29,9 +29,11 @@ from forerun.sampling import SamplingConfig
 
 
 def trace(engine: Engine, prompts: list[list[int]], clients: int, requests: int,
-          max_tokens: int, adaptive: bool, k: int) -> dict:
+          max_tokens: int, mode: str, k: int) -> dict:
     """One closed-loop run -> its figures."""
-    spec = SpecConfig("draft", k, policy="cost") if adaptive else SpecConfig("none", 0)
+    spec = (SpecConfig("draft", k, policy="cost") if mode == "adaptive" else
+            SpecConfig("draft", k) if mode == "fixed" else SpecConfig("none", 0))
+    adaptive = mode == "adaptive"
     session = BatchSession(engine, 2 << 30, joint=adaptive, max_batch=32, max_batch_tokens=512)
     session.calibrate()
     step_log: dict = collections.Counter()
@@ -51,7 +53,18 @@ def trace(engine: Engine, prompts: list[list[int]], clients: int, requests: int,
         step_log["draft_s"] += time.perf_counter() - start
         return out
 
+    runtime_type = type(session.target)
+    forward = runtime_type.forward
+
+    def timed_forward(self, *a, **kw):
+        start = time.perf_counter()
+        out = forward(self, *a, **kw)
+        if self is session.target:
+            step_log["pass_s"] += time.perf_counter() - start
+        return out
+
     BatchCostPolicy.choose, SharedDraftModel.propose = counted_choose, counted_propose
+    runtime_type.forward = timed_forward
     sent = [0] * clients
     owner: dict[int, int] = {}
     tokens, steps = 0, []
@@ -88,14 +101,21 @@ def trace(engine: Engine, prompts: list[list[int]], clients: int, requests: int,
         wall = time.perf_counter() - start
     finally:
         BatchCostPolicy.choose, SharedDraftModel.propose = choose, propose
+        runtime_type.forward = forward
         session.drop_all()
     total = collections.Counter()
     for s in steps:
         total.update({k_: v for k_, v in s.items() if isinstance(v, int | float)})
     slow = sorted(steps, key=lambda s: -s["s"])[:6]
-    return {"mode": "adaptive" if adaptive else "off", "clients": clients,
+    drafting = [s for s in steps if s.get("k")]
+    return {"mode": mode, "clients": clients,
             "wall_s": round(wall, 1), "tok_s": round(tokens / wall, 2), "steps": len(steps),
             "step_s_total": round(total["s"], 1), "draft_s_total": round(total["draft_s"], 1),
+            "pass_s_total": round(total["pass_s"], 1),
+            "other_s_total": round(total["s"] - total["draft_s"] - total["pass_s"], 1),
+            "other_s_drafting_steps": round(sum(s["s"] - s.get("draft_s", 0) - s.get(
+                "pass_s", 0) for s in drafting), 1),
+            "emitted_drafting_steps": sum(s["emitted"] for s in drafting),
             "draft_fed_total": total["draft_fed"], "k_total": total["k"],
             "steps_drafting": sum(1 for s in steps if s.get("k")), "slowest": slow}
 
@@ -104,7 +124,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runtime", default="llama.cpp", choices=["llama.cpp", "torch"])
     p.add_argument("--clients", default="4,16")
-    p.add_argument("--modes", default="off,adaptive")
+    p.add_argument("--modes", default="off,adaptive", help="off, adaptive, fixed (k always)")
     p.add_argument("--requests", type=int, default=2, help="requests per client")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("-k", type=int, default=4)
@@ -118,7 +138,7 @@ def main() -> None:
     for clients in map(int, args.clients.split(",")):
         for mode in args.modes.split(","):
             print(json.dumps(trace(engine, prompts, clients, args.requests, args.max_tokens,
-                                   mode == "adaptive", args.k)), flush=True)
+                                   mode, args.k)), flush=True)
 
 
 if __name__ == "__main__":
