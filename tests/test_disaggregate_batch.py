@@ -4,7 +4,8 @@ member of a continuous batch (its pool mode: a region per sequence, one draft pa
 Properties (tiny float64 models): greedy, every member's tokens equal its solo plain greedy
 output whatever it is batched with (mixed prompt lengths and budgets, members joining as others
 leave, a member preempted and recomputed); every member drafted, and every sequence that left
-closed its session (its region freed at the worker); draft = target accepts everything; the
+closed its session and freed its region at the worker (six members in turn through a pool of
+two members' worst case all draft); draft = target accepts everything; the
 sampled members' joint law over NEW_TOKENS tokens is the target's exact one (a chi-square test
 against `test_disaggregate.exact_joint`, false-failure rate ALPHA); a worker killed mid-batch
 leaves every member decoding plainly to its solo output, and the batch goes on. Through
@@ -114,6 +115,22 @@ def test_batched_greedy_with_the_drafter_apart_equals_each_solo_plain_output():
         # the engine's one-sequence path shares the pooled worker
         alone = engine.generate(PROMPTS[0], max_tokens=20)
         assert alone.token_ids == _solo(PROMPTS[0], 20)
+    finally:
+        worker.close()
+
+
+def test_members_leaving_free_their_regions_at_the_worker():
+    """A pool that holds two members' worst case at a time (the worker's as the target's):
+    six members in turn all draft, so each one that left freed its region there."""
+    engine, worker = engine_with_worker()
+    try:
+        per_token = engine.batch_view("target", BUDGET).pool.bytes_per_token
+        session = BatchSession(engine, per_token * 110)
+        seqs = [session.sequence(p, SamplingConfig(), 30) for p in PROMPTS]
+        outputs = drain(session, seqs)
+        assert outputs == [_solo(p, 30) for p in PROMPTS]
+        assert all(seq.proposer.failure is None and sum(st.drafted for st in seq.steps) > 0
+                   for seq in seqs)
     finally:
         worker.close()
 
