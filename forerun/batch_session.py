@@ -32,6 +32,7 @@ from forerun.policy import POLICIES, FixedK
 from forerun.prefix_cache import PrefixCache
 from forerun.profile import LiveCurve
 from forerun.propose import AUTO_TREE, AUTO_TREE_MAX, PROPOSERS, ProposerContext, SpecConfig
+from forerun.propose.base import BATCH_TARGET
 from forerun.propose.cross_draft import SharedCrossDraft
 from forerun.propose.disaggregate import ASYNC_BATCH, DRAFTER, AsyncDraftBatch
 from forerun.propose.draft_batch import SHARED_DRAFT, SharedDraftModel
@@ -77,6 +78,8 @@ class BatchSession:
         self.prefix = (PrefixCache(self.prefix_cache_bytes) if self.prefix_cache_bytes
                        and self.target.capabilities.kv_copy else None)
         self.lazy = self.lazy and self.target.capabilities.kv_grow
+        if self.target.capabilities.resume_rows:  # early exit drafts in its member's region
+            self._group[BATCH_TARGET] = self.target
 
     # --- members -----------------------------------------------------------------------------
 

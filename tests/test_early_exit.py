@@ -6,8 +6,8 @@ joint (chi-square at ALPHA against the enumerated joint; with the check test's s
 this file fails by chance with probability below 2 * ALPHA); after a verify the cache's layers
 below E at the accepted tokens equal plain decoding's to the bit (float64), and the verify pass
 runs the layers below E for the last draft row alone; the adapter saves, loads and fails
-clearly; batch members draft over caches of their own and get each sequence's own output; a
-runtime that cannot resume rows refuses.
+clearly; batch members (drafting in their pool regions: tests/test_early_exit_batch.py) get
+each sequence's own output; a runtime that cannot resume rows refuses.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def test_a_resumed_pass_equals_a_full_one():
         part.forward(rest[:1], resume=draft.resume())
 
 
-def test_batch_members_draft_over_caches_of_their_own():
+def test_batch_members_get_each_sequences_own_output():
     rt = tiny_runtime(0, n_layers=LAYERS)
     engine = Engine.from_runtimes(rt, word_tokenizer(), None,
                                   SpecConfig("early-exit", 3, exit_layer=2))

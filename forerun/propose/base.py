@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from forerun.models.tokenizer import TextTokenizer
     from forerun.propose.cross_vocab import VocabBridge
 
+# the ProposerContext.batch key of the batch's target runtime, where it resumes rows
+# (capabilities.resume_rows): a drafter that writes the target's cache (early exit) drafts
+# in its member's region of that runtime's pool
+BATCH_TARGET = "batch-target"
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -75,7 +80,7 @@ class Needs:
     # draft through `teach` (online distillation: `forerun.train.online`)
     resume: bool = False  # drafts with the target's own first layers in the target's own
     # cache, its chains carrying `Draft.resume` (early exit): the runtime must resume rows
-    # (capabilities.resume_rows), the sequence decoded alone
+    # (capabilities.resume_rows); a batch member is told its pool region through `bind`
     remote: bool = False  # drafts in a process of its own (--disaggregate): nothing of its
     # sequence lives in this process's pools, so its member may be preempted like a plain one
     tree_verifier: str = "rrs"  # how its sampled trees are verified: a key of
@@ -214,6 +219,15 @@ class FeatureProposer(Proposer, Protocol):
         rows, or all of them, of which it keeps those), the pending token and the accepted
         path after each verify. Invariant: the proposer has been fed every token of the
         sequence but the last (the prompt's only if `needs.prompt_features`)."""
+        ...
+
+
+class ResumingProposer(Proposer, Protocol):
+    """A proposer that drafts in its sequence's target cache (`needs.resume`: early exit)."""
+
+    def bind(self, seq: int) -> None:
+        """A batch member's, at each admission: its cache is region `seq` of the batch
+        runtime's pool (the next drafts write the target's lower layers there)."""
         ...
 
 

@@ -8,13 +8,15 @@ path, size and mtime, beside the layer-skip sets) and the proposer. Drafting is 
 draft-model method's (`DraftModelProposer`: autoregressive, q under the same sampling settings)
 over `ExitDraft`, the target's first E blocks plus the exit head.
 
-KV reuse (a sequence decoded alone): the draft writes the target's own cache at layers 0..E-1,
-and its draft carries the layer-E states of the rows it ran (`Draft.resume`): the pending
-token and every drafted token but the last. The verify pass computes layers E.. for them and
-all layers for the last one only; rollback is the target's, rejected slots are overwritten.
-In a batch the target's cache is a pool region the draft cannot write, so a member drafts over
-a cache of its own (the prompt fed through E layers too) and its verify runs every layer: the
-same output, without the saving. Training the adapter is `forerun.train.early_exit`.
+KV reuse: the draft writes the target's own cache at layers 0..E-1 (a sequence decoded
+alone: the target's cache; a batch member: its region of the batch's pool, where the batch
+runtime declares `resume_rows`, `BATCH_TARGET`), and its draft carries the layer-E states of
+the rows it ran (`Draft.resume`): the pending token and every drafted token but the last. The
+verify pass computes layers E.. for them and all layers for the last one only (in a batch,
+beside the other members' rows, which run every layer); rollback is the target's, rejected
+slots are overwritten. A batch whose runtime cannot resume rows gives a member a cache of its
+own (the prompt fed through E layers too) and a verify of every layer: the same output,
+without the saving. Training the adapter is `forerun.train.early_exit`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import cast
 import torch
 
 from forerun.models.catalog import forerun_home
-from forerun.propose.base import Draft, Needs, ProposerContext
+from forerun.propose.base import BATCH_TARGET, Draft, Needs, ProposerContext
 from forerun.propose.draft_model import DraftModelProposer, RootRow
 from forerun.runtime.base import Runtime
 from forerun.runtime.early_exit import ExitAdapter, ExitDraft
@@ -116,7 +118,8 @@ def load_adapter(path: Path, dim: int, layer: int) -> ExitAdapter:
 
 class EarlyExitProposer(DraftModelProposer):
     """The draft-model method whose draft is `ExitDraft`; over the target's own cache
-    (`view.shared`) its drafts carry the rows the verify pass resumes at layer E."""
+    (`view.shared`: alone, or a batch member's pool region) its drafts carry the rows the
+    verify pass resumes at layer E."""
 
     name = "early-exit"
 
@@ -131,13 +134,17 @@ class EarlyExitProposer(DraftModelProposer):
             return
         self.prompt_length, self.root = len(prompt), RootRow()
 
+    def bind(self, seq: int) -> None:
+        """A batch member's: its cache is the pool's region `seq` (at each admission)."""
+        self.view.bind(seq)
+
     def propose(self, tokens, k, sampling, generator) -> Draft:
         if not self.view.shared:
             return super().propose(tokens, k, sampling, generator)
         base = len(tokens) - 1  # the pending token's slot
-        if self.target.length != base:
+        if self.view.target_length != base:
             raise RuntimeError(f"early-exit drafts over its target's cache, which holds "
-                               f"{self.target.length} tokens, not the {base} before the "
+                               f"{self.view.target_length} tokens, not the {base} before the "
                                "pending one")
         self.view.align(base)
         self.root = RootRow()  # each draft runs its own rows: the verify resumes them
@@ -147,16 +154,19 @@ class EarlyExitProposer(DraftModelProposer):
 
 def early_exit_proposer(cfg: EarlyExitConfig, ctx: ProposerContext) -> EarlyExitProposer:
     """A proposer for one sequence of ctx.target; its draft is built once per store (a
-    sequence's: an Engine's own, or a batch member's) and reused by later proposers."""
+    sequence's: an Engine's own, or a batch member's) and reused by later proposers. A batch
+    member drafts in its pool region where the batch's runtime resumes rows (ctx.batch's
+    BATCH_TARGET), else over a cache of its own."""
     target = ctx.target
     if not target.capabilities.resume_rows:
         raise ValueError("method 'early-exit' drafts with the target's own first layers and "
                          "cache: --runtime torch (llama.cpp cannot)")
     torch_target = cast(TorchRuntime, target)
     layer = cfg.resolve_layer(target.config.n_layers)
-    shared = ctx.batch is None
-    key = f"{STORE}:{layer}:{cfg.adapter}:{shared}:{ctx.capacity}"
+    pool = None if ctx.batch is None else ctx.batch.get(BATCH_TARGET)
+    shared = ctx.batch is None or pool is not None
+    key = f"{STORE}:{layer}:{cfg.adapter}:{shared}:{ctx.capacity}:{id(pool)}"
     if key not in ctx.stores:
         adapter = cfg.resolve_adapter(torch_target, layer)
-        ctx.stores[key] = ExitDraft(torch_target, layer, adapter, shared, ctx.capacity)
+        ctx.stores[key] = ExitDraft(torch_target, layer, adapter, shared, ctx.capacity, pool)
     return EarlyExitProposer(ctx.stores[key], target)

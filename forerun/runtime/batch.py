@@ -37,6 +37,7 @@ from typing import Protocol
 import torch
 
 from forerun.runtime.base import Capabilities, ForwardOutput, Resume
+from forerun.runtime.batch_resume import resumed_layers
 from forerun.runtime.batch_static import BatchStaticPasses
 from forerun.runtime.memory import lazy_zeros, release_slots
 from forerun.runtime.torch_model import TorchRuntime, attend, attend_rows, rms_norm, rope_tables
@@ -142,6 +143,10 @@ class Region:
     size: int  # slots reserved
     length: int = 0  # slots holding cached tokens
 
+
+# one member's rows of a block pass: (its region's first slot, the rows' first slot in the
+# region, their count T, their mask [T, S_b] bool or None)
+MemberRows = tuple[int, int, int, torch.Tensor | None]
 
 SPARE_SLOTS = 1  # past the S regions' slots: where a static pass's padded rows write
 
@@ -277,7 +282,7 @@ class BatchTorchRuntime:
         self._static = BatchStaticPasses(self, graphs) if static else None
         self.capabilities = Capabilities(hidden_layers=True, final_hidden=True,
                                          static_passes=static, cuda_graphs=graphs, kv_copy=True,
-                                         kv_grow=True)
+                                         kv_grow=True, resume_rows=True)
 
     # --- sequences ------------------------------------------------------------------------
 
@@ -358,9 +363,8 @@ class BatchTorchRuntime:
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """-> logits [R, V] for batch.logit_rows (all N rows when None), and the hidden
-        states layer -> [N, D] of every row."""
-        if batch.resume is not None and any(r is not None for r in batch.resume):
-            raise ValueError("a batched pass runs every layer of every row: it resumes none")
+        states layer -> [N, D] of every row. A member's `batch.resume` rows enter at its
+        layer from the states given (`forerun.runtime.batch_resume`); the others run all."""
         regions = [self.pool.region(s) for s in batch.seqs]
         starts = [r.length for r in regions]
         for b, r in enumerate(regions):
@@ -368,29 +372,58 @@ class BatchTorchRuntime:
             if r.length + n > r.size:
                 raise ValueError(f"sequence {batch.seqs[b]}: {r.length} + {n} tokens exceed "
                                  f"its {r.size} reserved slots")
-        if self._static is not None and self._static.fits(batch, hidden_layers):
+        resumed = batch.resume is not None and any(r is not None for r in batch.resume)
+        if not resumed and self._static is not None and self._static.fits(batch, hidden_layers):
             logits, h = self._static.forward(batch, starts)
             self._advance(batch, regions, starts)
             return ForwardOutput(logits, {-1: h} if -1 in hidden_layers else {})
-        device = self.pool.k.device
-        positions = self._positions(batch, starts).to(device)  # [N]
-        cos, sin = self.cos[positions], self.sin[positions]  # [N, hd]
-        masks = [self._mask(starts[b], batch.cu[b + 1] - batch.cu[b],
-                            batch.tree_masks[b] if batch.tree_masks else None, device)
-                 for b in range(batch.size)]
-        model = self.single.model
-        x = model.embed(batch.tokens.to(device))  # [N, D]
-        hidden = {}
-        for i, layer in enumerate(model.layers):
-            x = self._block(layer, i, x, cos, sin, batch, regions, starts, masks)
-            if i in hidden_layers:
-                hidden[i] = x
+        x, hidden = (resumed_layers(self, batch, regions, starts, hidden_layers) if resumed
+                     else self._layers(batch, regions, starts, hidden_layers))
         self._advance(batch, regions, starts)
-        rows = x if batch.logit_rows is None else x[batch.logit_rows.to(device)]
+        model = self.single.model
+        rows = x if batch.logit_rows is None else x[batch.logit_rows.to(x.device)]
         _, logits = self.single.head(rows)  # [R, V]
         if -1 in hidden_layers:  # the final normed state of every row, as the heads read it
             hidden[-1] = rms_norm(x, model.norm, self.config.norm_eps)
         return ForwardOutput(logits, hidden)  # on the device: the step syncs once
+
+    def _layers(self, batch: PackedBatch, regions: list[Region], starts: list[int],
+                hidden_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Every block over every row -> the last block's output [N, D] and the hidden
+        states layer -> [N, D] asked for."""
+        device = self.pool.k.device
+        positions = self._positions(batch, starts).to(device)  # [N]
+        cos, sin = self.cos[positions], self.sin[positions]  # [N, hd]
+        parts = [(r.start, starts[b], batch.cu[b + 1] - batch.cu[b],
+                  self._mask(starts[b], batch.cu[b + 1] - batch.cu[b],
+                             batch.tree_masks[b] if batch.tree_masks else None, device))
+                 for b, r in enumerate(regions)]
+        model = self.single.model
+        x = model.embed(batch.tokens.to(device))  # [N, D]
+        hidden = {}
+        for i, layer in enumerate(model.layers):
+            x = self._block(layer, i, x, cos, sin, parts)
+            if i in hidden_layers:
+                hidden[i] = x
+        return x, hidden
+
+    @torch.inference_mode()
+    def lower(self, seq: int, tokens: torch.Tensor, start: int, layers: int) -> torch.Tensor:
+        """Blocks 0..layers-1 over a member's tokens [T] at its slots start.. (their K/V
+        written there, as a pass of this member alone would; its length is left as it is)
+        -> the states entering block `layers` [T, D]: an early-exit draft's rows, which the
+        verify pass then resumes (PackedBatch.resume)."""
+        r, T = self.pool.region(seq), tokens.shape[0]
+        if start + T > r.size:
+            raise ValueError(f"sequence {seq}: {start} + {T} tokens exceed its {r.size} "
+                             "reserved slots")
+        device = self.pool.k.device
+        at = torch.arange(start, start + T, device=device)  # [T]
+        parts = [(r.start, start, T, self._mask(start, T, None, device))]
+        x = self.single.model.embed(tokens.to(device))  # [T, D]
+        for i, layer in enumerate(self.single.model.layers[:layers]):
+            x = self._block(layer, i, x, self.cos[at], self.sin[at], parts)
+        return x
 
     @staticmethod
     def _advance(batch: PackedBatch, regions: list[Region], starts: list[int]) -> None:
@@ -398,20 +431,20 @@ class BatchTorchRuntime:
         for b, r in enumerate(regions):
             r.length = starts[b] + batch.cu[b + 1] - batch.cu[b]
 
-    def _block(self, layer, i: int, x, cos, sin, batch: PackedBatch, regions, starts, masks):
-        """One decoder block over the packed rows x [N, D]: q/k/v, output and MLP matmuls over
-        all rows at once; attention per member over its own region of the cache."""
+    def _block(self, layer, i: int, x, cos, sin, parts: list[MemberRows]) -> torch.Tensor:
+        """One decoder block over the packed rows x [N, D] of `parts`, in order: q/k/v, output
+        and MLP matmuls over all rows at once; attention per member over its own region."""
         q, k, v = layer.qkv(x, cos, sin)  # [H, N, hd], [Hkv, N, hd], [Hkv, N, hd]
         kc, vc = self.pool.k[i], self.pool.v[i]  # [Hkv, S, hd]
-        outs = []
-        for b, r in enumerate(regions):
-            rows, s = batch.rows_of(b), r.start + starts[b]
-            T = rows.stop - rows.start
+        outs, at = [], 0
+        for base, start, T, mask in parts:
+            rows, s = slice(at, at + T), base + start
             kc[:, s:s + T], vc[:, s:s + T] = k[:, rows], v[:, rows]
-            keys, values = self._member_kv(kc, vc, r.start, starts[b], T)  # [Hkv, S_b, hd]
+            keys, values = self._member_kv(kc, vc, base, start, T)  # [Hkv, S_b, hd]
             small = T <= SMALL_ATTENTION_ROWS and not layer.invariant
-            outs.append(attend_rows(q[:, rows], keys, values, masks[b]) if small else
-                        attend(q[:, rows], keys, values, masks[b], layer.invariant))  # [1,H,T,hd]
+            outs.append(attend_rows(q[:, rows], keys, values, mask) if small else
+                        attend(q[:, rows], keys, values, mask, layer.invariant))  # [1,H,T,hd]
+            at += T
         return layer.finish(x, torch.cat(outs, dim=2))  # [N, D]
 
     def _member_kv(self, kc: torch.Tensor, vc: torch.Tensor, base: int, start: int, T: int):

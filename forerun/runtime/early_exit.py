@@ -6,19 +6,23 @@ Owns: `ExitAdapter`, a residual linear map on the layer-E hidden state (zero = t
 `ExitDraft`, the draft runtime. The draft runs the target's own blocks 0..E-1 (shared, never
 copied) and exits through the adapter, the target's final norm and its LM head.
 
-`shared` (a sequence decoded alone): the draft's cache is the first E layers of the target's
-own cache (views of the same storage). The K/V it writes for a drafted token at its slot are
-the target's own, since weights, token and position are the same; it keeps the layer-E states
-of the rows it ran (`resume`), and the verify pass starts those rows at layer E
-(`forerun.runtime.base.Resume`), computing layers E.. only. A rejected token's slots are
-overwritten by a later pass, as any rejected slot. Not shared (a batch member, whose target
-cache is a region of the batch's pool): a cache of its own over E layers, and the verify
-computes every layer. Chains only: each token is appended at the next slot.
+`shared`: the draft's cache is the first E layers of the target's own cache: views of the
+same storage for a sequence decoded alone, or (`pool`, a batch member) the member's own region
+of the batch's cache pool, written through `BatchTorchRuntime.lower` at layers 0..E-1 (bound
+to the member's handle at each admission: `bind`). The K/V it writes for a drafted token at
+its slot are the target's own, since weights, token and position are the same; it keeps the
+layer-E states of the rows it ran (`resume`), and the verify pass starts those rows at layer E
+(`forerun.runtime.base.Resume`, `PackedBatch.resume`), computing layers E.. only. A rejected
+token's slots are overwritten by a later pass, as any rejected slot. Not shared (a batch whose
+runtime cannot resume rows): a cache of its own over E layers (the prompt fed through them
+too), and the verify computes every layer. Chains only: each token is appended at the next
+slot.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +31,9 @@ from torch import nn
 from forerun.runtime.base import Capabilities, ForwardOutput, Resume
 from forerun.runtime.memory import lazy_zeros
 from forerun.runtime.torch_model import PackedLinear, TorchRuntime, rms_norm
+
+if TYPE_CHECKING:
+    from forerun.runtime.batch import BatchTorchRuntime
 
 
 class ExitAdapter(nn.Module):
@@ -46,20 +53,27 @@ class ExitAdapter(nn.Module):
 
 class ExitDraft:
     """The first `layers` blocks of `target` plus its exit head, over the target's cache
-    (`shared`) or one of its own (`capacity` slots)."""
+    (`shared`: its own, or a batch member's region of `pool`) or one of its own (`capacity`
+    slots)."""
 
     def __init__(self, target: TorchRuntime, layers: int, adapter: ExitAdapter | None = None,
-                 shared: bool = True, capacity: int | None = None):
+                 shared: bool = True, capacity: int | None = None,
+                 pool: BatchTorchRuntime | None = None):
         cfg = target.config
         if not 0 < layers < cfg.n_layers:
             raise ValueError(f"early exit: the exit layer must lie in 1..{cfg.n_layers - 1} "
                              f"(of {cfg.n_layers} layers), got {layers}")
         self.target, self.layer, self.shared = target, layers, shared
+        self.pool = pool if shared else None
+        self.seq = -1  # the member's region of `pool` (`bind`); -1 = not admitted
         self.blocks = target.model.layers[:layers]
         self.config = replace(cfg, n_layers=layers)
         self.capabilities = Capabilities()
         self.curve = None  # forerun.profile's, at its first use (the cost policy's draft cost)
-        if shared:  # views: what the draft writes is the target's cache at layers 0..E-1
+        if self.pool is not None:  # the member's region, looked up at each pass (it may move)
+            self.k_cache = self.v_cache = None
+            self._capacity = 0
+        elif shared:  # views: what the draft writes is the target's cache at layers 0..E-1
             self.k_cache, self.v_cache = target.k_cache[:layers], target.v_cache[:layers]
             self._capacity = target.capacity
         else:
@@ -82,7 +96,19 @@ class ExitDraft:
 
     @property
     def capacity(self) -> int:
-        return self._capacity
+        return self._capacity if self.pool is None else self.pool.reserved(self.seq)
+
+    @property
+    def target_length(self) -> int:
+        """Tokens in the cache the draft shares (the target's, or the member's region)."""
+        return self.target.length if self.pool is None else self.pool.length(self.seq)
+
+    def bind(self, seq: int) -> None:
+        """`pool`: the member's region is `seq` now (at each admission; a preempted member
+        comes back in another). Alone there is nothing to bind: the target's cache is one."""
+        if self.pool is None:
+            return
+        self.seq, self._length, self._kept = seq, 0, []
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:
@@ -92,7 +118,7 @@ class ExitDraft:
     def align(self, length: int) -> None:
         """Shared: the target's cache holds `length` tokens, so the draft's layers do too;
         drafting continues at that slot, and the states kept for `resume` start there."""
-        if not self.shared or length > self.target.length:
+        if not self.shared or length > self.target_length:
             raise ValueError("align: a shared draft takes the length of its target's cache")
         self._length, self._kept = length, []
 
@@ -107,6 +133,11 @@ class ExitDraft:
         if positions is not None or tree_mask is not None or hidden_layers:
             raise ValueError("the early-exit draft runs chains and returns no hidden layers")
         start, T, t = self._length, tokens.shape[0], self.target
+        if self.pool is not None:  # the member's region: the batch's blocks, as its passes
+            x = self.pool.lower(self.seq, tokens, start, self.layer)  # [T, D]
+            self._kept.append(x)
+            self._length = start + T
+            return ForwardOutput(self.exit_head(x[-1:] if last_only else x).cpu())
         if start + T > self._capacity:
             raise ValueError(f"context full: {start} + {T} tokens > capacity {self._capacity}")
         at = torch.arange(start, start + T, device=t.device)
