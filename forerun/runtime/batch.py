@@ -23,6 +23,10 @@ Decode-sized passes (a few new tokens a member) may run in static shapes instead
 CUDA graphs on a GPU (`forerun.runtime.batch_static`): the pool keeps one spare slot past every
 region for their padded rows to write.
 
+Early exit's KV reuse (`capabilities.resume_rows`): a member's draft runs the first E blocks
+over its own region (`lower`), and a pass takes its draft rows from layer E on
+(`PackedBatch.resume`, `forerun.runtime.batch_resume`).
+
 Invariants: a member's new tokens are written at region slots length .. length+T-1 and the
 length advances by T; `commit(seq, base, rows)` keeps the pass's rows `rows` (ascending: the
 pending token and an accepted path) as slots base.. and drops the rest (a chain's accepted rows
