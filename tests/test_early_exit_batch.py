@@ -9,7 +9,8 @@ verify pass the layers below E run every row but the resumed ones (counted per b
 draft ran them one row at a time in the member's region; the resumed pass's logits equal a
 plain pass's; a preempted early-exit member (lazy regions) still gets its output; sampled, an
 early-exit member's joint over NEW tokens is the target's exact joint (chi-square at ALPHA:
-this file fails by chance with probability below ALPHA).
+this file fails by chance with probability below ALPHA); members under the cost policy time
+their draft before they have a region, and still get their solo output.
 """
 
 from __future__ import annotations
@@ -312,3 +313,22 @@ def test_sampled_early_exit_in_a_batch_matches_the_target_joint(one_thread):
         return logits_to_probs(table.logits((*SAMPLED_PROMPT, *prefix)), SAMPLED)
 
     assert chi_square_pvalue(target_joint(row, NEW), counts) > ALPHA
+
+
+def test_members_under_the_cost_policy_time_their_draft_before_admission():
+    """The cost policy times a member's draft as it is built, before the member has a region
+    in the pool: the draft runs on a small cache of its own then, and in its region after."""
+    runtime = BatchTorchRuntime(target(), BUDGET)
+    seqs = []
+    for p, new in ((0, 20), (3, 18)):
+        spec = SpecConfig("early-exit", 4, exit_layer=2, policy="cost")
+        ctx = ProposerContext(runtime.single, None, capacity=len(PROMPTS[p]) + new + 5,
+                              batch={BATCH_TARGET: runtime})
+        proposer = PROPOSERS["early-exit"](spec, ctx)
+        seqs.append(Sequence(list(PROMPTS[p]), GREEDY, new, make_generator(0), (), proposer,
+                             POLICIES["cost"](spec, runtime.single, proposer.runtime), max_k=4))
+        assert proposer.runtime.curve is not None  # timed, with no region yet
+    run_to_completion(runtime, seqs)
+    for s, (p, new) in zip(seqs, ((0, 20), (3, 18)), strict=True):
+        assert s.proposer.runtime.pool is runtime
+        assert tokens_of(s) == solo(PROMPTS[p], new)

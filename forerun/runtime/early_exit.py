@@ -16,7 +16,9 @@ layer-E states of the rows it ran (`resume`), and the verify pass starts those r
 token's slots are overwritten by a later pass, as any rejected slot. Not shared (a batch whose
 runtime cannot resume rows): a cache of its own over E layers (the prompt fed through them
 too), and the verify computes every layer. Chains only: each token is appended at the next
-slot.
+slot. Before its first admission a pool-mode draft has no region (the cost policy times
+the draft as the member's policy is built): it runs over a small cache of its own then
+(`UNBOUND_SLOTS`), the same blocks at the same cost per token.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from forerun.runtime.torch_model import PackedLinear, TorchRuntime, rms_norm
 
 if TYPE_CHECKING:
     from forerun.runtime.batch import BatchTorchRuntime
+
+UNBOUND_SLOTS = 1024  # an unadmitted pool-mode draft's own cache (a timing's context + passes)
 
 
 class ExitAdapter(nn.Module):
@@ -63,9 +67,10 @@ class ExitDraft:
         if not 0 < layers < cfg.n_layers:
             raise ValueError(f"early exit: the exit layer must lie in 1..{cfg.n_layers - 1} "
                              f"(of {cfg.n_layers} layers), got {layers}")
-        self.target, self.layer, self.shared = target, layers, shared
+        self.target, self.layer, self.shared, self.adapter = target, layers, shared, adapter
         self.pool = pool if shared else None
         self.seq = -1  # the member's region of `pool` (`bind`); -1 = not admitted
+        self._unbound: ExitDraft | None = None  # `pool` before admission: a cache of its own
         self.blocks = target.model.layers[:layers]
         self.config = replace(cfg, n_layers=layers)
         self.capabilities = Capabilities()
@@ -96,7 +101,17 @@ class ExitDraft:
 
     @property
     def capacity(self) -> int:
-        return self._capacity if self.pool is None else self.pool.reserved(self.seq)
+        if self.pool is None:
+            return self._capacity
+        return self.pool.reserved(self.seq) if self.seq >= 0 else self._alone().capacity
+
+    def _alone(self) -> ExitDraft:
+        """What a pool-mode draft runs on before its first admission: the same blocks over
+        a small cache of its own (UNBOUND_SLOTS)."""
+        if self._unbound is None:
+            self._unbound = ExitDraft(self.target, self.layer, self.adapter, shared=False,
+                                      capacity=UNBOUND_SLOTS)
+        return self._unbound
 
     @property
     def target_length(self) -> int:
@@ -108,9 +123,11 @@ class ExitDraft:
         comes back in another). Alone there is nothing to bind: the target's cache is one."""
         if self.pool is None:
             return
-        self.seq, self._length, self._kept = seq, 0, []
+        self.seq, self._length, self._kept, self._unbound = seq, 0, [], None
 
     def truncate(self, length: int) -> None:
+        if self.pool is not None and self.seq < 0:
+            return self._alone().truncate(length)
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
         self._length = length
@@ -132,6 +149,8 @@ class ExitDraft:
                 hidden_layers=(), hidden_from=0) -> ForwardOutput:
         if positions is not None or tree_mask is not None or hidden_layers:
             raise ValueError("the early-exit draft runs chains and returns no hidden layers")
+        if self.pool is not None and self.seq < 0:  # not admitted yet (the policy's timing)
+            return self._alone().forward(tokens, last_only=last_only)
         start, T, t = self._length, tokens.shape[0], self.target
         if self.pool is not None:  # the member's region: the batch's blocks, as its passes
             x = self.pool.lower(self.seq, tokens, start, self.layer)  # [T, D]
