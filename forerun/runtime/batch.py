@@ -228,8 +228,8 @@ class CachePool:
         self._free_span(region.start, region.size)
 
     def _free_span(self, start: int, size: int) -> None:
-        """Return slots to the free list, and their pages to the OS (RSS follows the KV in
-        use, not its high-water mark; the slots read as zeros again)."""
+        """Return slots to the free list, and their whole pages to the OS (RSS follows the
+        KV in use, not its high-water mark)."""
         release_slots(self.k, start, start + size)  # [L, Hkv, S + 1, hd]
         release_slots(self.v, start, start + size)
         spans = sorted([*self._free, (start, size)])
@@ -424,9 +424,10 @@ class BatchTorchRuntime:
         device = self.pool.k.device
         at = torch.arange(start, start + T, device=device)  # [T]
         parts = [(r.start, start, T, self._mask(start, T, None, device))]
+        cos, sin = self.cos[at], self.sin[at]  # [T, hd]
         x = self.single.model.embed(tokens.to(device))  # [T, D]
         for i, layer in enumerate(self.single.model.layers[:layers]):
-            x = self._block(layer, i, x, self.cos[at], self.sin[at], parts)
+            x = self._block(layer, i, x, cos, sin, parts)
         return x
 
     @staticmethod
