@@ -117,7 +117,7 @@ def admit(runtime: BatchRuntime, seq: Sequence, reserve: int | None = None) -> N
         raise ValueError(f"{seq.proposer.name} drafts in the target's own cache, which this "
                          "runtime's passes cannot resume")
     seq.handle = runtime.add(min(reserve or seq.slots(), seq.slots(), runtime.capacity))
-    if seq.proposer is not None and seq.proposer.needs.resume:  # it drafts in this region
+    if seq.proposer is not None and seq.proposer.needs.target_region:  # it drafts in it
         seq.proposer.bind(seq.handle)
     if seq.grammar is not None and seq.proposer is not None and seq.proposer.needs.grammar:
         seq.proposer.constrain(seq.grammar)  # it drafts under the sequence's grammar

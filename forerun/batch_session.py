@@ -302,8 +302,9 @@ def draft_budget(target: Runtime, draft: Runtime, budget: int) -> int:
 def _preemptible(seq: Sequence) -> bool:
     """A member whose cache alone can be freed and recomputed: its drafter keeps no cache
     region of its own (a shared draft model's) and reads no features of the prompt's rows."""
-    return seq.proposer is None or ((seq.proposer.group is None or seq.proposer.needs.remote)
-                                    and not reads_prompt(seq))
+    needs = None if seq.proposer is None else seq.proposer.needs
+    return needs is None or ((seq.proposer.group is None or needs.remote or needs.target_region)
+                             and not reads_prompt(seq))
 
 
 def max_nodes(spec: SpecConfig) -> int:

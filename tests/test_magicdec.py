@@ -7,8 +7,8 @@ joint (chi-square, exact enumeration); every draft query attends to the sinks an
 and nothing else, and the cache holds a fixed number of positions; a draft step attends to the
 same number of positions at any context (counted, not timed); with a window as long as the
 context it drafts what the full-cache draft model drafts, token for token and q to the bit;
-`forerun check` passes it; the self drafter runs in a batch; a llama.cpp drafter and bad
-options fail clearly.
+`forerun check` passes it; the self drafter runs in a batch (over the target's own pool:
+test_magicdec_self_batch); a llama.cpp drafter and bad options fail clearly.
 
 Statistical checks: 2 (the exact joint, one per drafter) + 1 (forerun check's sampling test)
 at ALPHA = 1e-4 each: the file fails by chance with probability below 3e-4 (seeds pinned).
@@ -233,7 +233,7 @@ def test_the_view_never_touches_the_targets_cache():
 
 
 
-def test_the_self_drafter_runs_in_a_batch_each_member_its_own_view():
+def test_the_self_drafter_runs_in_a_batch():
     spec = SpecConfig("magicdec", 3, magicdec_sinks=SINKS, magicdec_window=WINDOW,
                       magicdec_drafter="self")
     engine = Engine.from_runtimes(tiny_runtime(0), word_tokenizer(), None, spec)

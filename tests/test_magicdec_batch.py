@@ -92,20 +92,31 @@ SAMPLED_PROMPT = [1, 3, 0, 2, 2, 1, 3, 3, 0, 1]  # 10 tokens: queries past 4 see
 
 
 def test_sampled_members_have_the_target_joint():
-    """Fails by chance with probability ALPHA (asymptotic chi-square over the exact joint of
-    NEW tokens, cells below 5 expected pooled). RUNS members, BATCH live at once, each with its
-    own seed; the drafter sees 1 sink + a window of 3 of a perturbed draft model."""
-    target = tiny_runtime(0, vocab=V, scale=0.6)
+    """Fails by chance with probability ALPHA (`sampled_joint`); the drafter sees 1 sink + a
+    window of 3 of a perturbed draft model."""
     dense = BatchTorchRuntime(tiny_runtime(0, vocab=V, scale=0.6, noise=0.5), BUDGET)
-    group = {SHARED_DRAFT: SharedDraftModel(dense, V)}
     spec = SpecConfig("magicdec", K, magicdec_sinks=1, magicdec_window=3)
+    seqs = sampled_joint(spec, {SHARED_DRAFT: SharedDraftModel(dense, V)})
+    assert all(isinstance(s.proposer, PooledMagicDec) for s in seqs)
+
+
+def sampled_joint(spec: SpecConfig, group: dict, runtime: BatchTorchRuntime | None = None
+                  ) -> list[Sequence]:
+    """RUNS members of `spec` (their drafters sharing `group`) sampled after SAMPLED_PROMPT by
+    `runtime` (a fresh pool of the target by default), BATCH live at once, each with its own
+    seed -> the members, once their joint over NEW tokens passed an asymptotic chi-square at
+    ALPHA against the target's exact joint (cells below 5 expected pooled): it fails by chance
+    with probability ALPHA."""
+    target = tiny_runtime(0, vocab=V, scale=0.6)
+    runtime = runtime or BatchTorchRuntime(target, BUDGET)
     sampling = SamplingConfig(temperature=1.0)
     seqs = []
     for i in range(RUNS):
-        proposer = PROPOSERS["magicdec"](spec, ProposerContext(target, capacity=32, batch=group))
+        proposer = PROPOSERS["magicdec"](spec, ProposerContext(runtime.single, capacity=32,
+                                                               batch=group))
         seqs.append(Sequence(list(SAMPLED_PROMPT), sampling, NEW, make_generator(i), (),
                              proposer, FixedK(K), max_k=K))
-    run_to_completion(BatchTorchRuntime(target, BUDGET), seqs, max_batch=BATCH)
+    run_to_completion(runtime, seqs, max_batch=BATCH)
     counts = defaultdict(int)
     for seq in seqs:
         counts[tuple(t for st in seq.steps for t in st.tokens)] += 1
@@ -118,6 +129,7 @@ def test_sampled_members_have_the_target_joint():
         return logits_to_probs(table.logits((*SAMPLED_PROMPT, *prefix)), sampling)
 
     assert chi_square_pvalue(target_joint(row, NEW), counts) > ALPHA
+    return seqs
 
 
 # --- the view: what it attends to, what it costs ----------------------------------------------

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from forerun.propose.cross_vocab import VocabBridge
 
 # the ProposerContext.batch key of the batch's target runtime, where it resumes rows
-# (capabilities.resume_rows): a drafter that writes the target's cache (early exit) drafts
-# in its member's region of that runtime's pool
+# (capabilities.resume_rows): a drafter that writes the target's cache (early exit,
+# magicdec's self drafter) drafts in its member's region of that runtime's pool
 BATCH_TARGET = "batch-target"
 
 
@@ -80,7 +80,10 @@ class Needs:
     # draft through `teach` (online distillation: `forerun.train.online`)
     resume: bool = False  # drafts with the target's own first layers in the target's own
     # cache, its chains carrying `Draft.resume` (early exit): the runtime must resume rows
-    # (capabilities.resume_rows); a batch member is told its pool region through `bind`
+    # (capabilities.resume_rows)
+    target_region: bool = False  # a batch member drafting in its sequence's region of the
+    # target's pool (early exit, magicdec's self drafter): told the region through `bind` at
+    # each admission; it keeps no cache of its own (preemptible as a plain member)
     remote: bool = False  # drafts in a process of its own (--disaggregate): nothing of its
     # sequence lives in this process's pools, so its member may be preempted like a plain one
     tree_verifier: str = "rrs"  # how its sampled trees are verified: a key of
@@ -223,11 +226,12 @@ class FeatureProposer(Proposer, Protocol):
 
 
 class ResumingProposer(Proposer, Protocol):
-    """A proposer that drafts in its sequence's target cache (`needs.resume`: early exit)."""
+    """A proposer that drafts in its sequence's target cache (`needs.target_region`: early
+    exit, magicdec's self drafter)."""
 
     def bind(self, seq: int) -> None:
         """A batch member's, at each admission: its cache is region `seq` of the batch
-        runtime's pool (the next drafts write the target's lower layers there)."""
+        runtime's pool (the next drafts write there, past the member's committed tokens)."""
         ...
 
 

@@ -126,7 +126,8 @@ class EarlyExitProposer(DraftModelProposer):
     def __init__(self, view: ExitDraft, target: Runtime):
         super().__init__(view, target.config.vocab_size)
         self.view, self.target = view, target
-        self.needs = Needs(grammar=True, shared_store=True, resume=view.shared)
+        self.needs = Needs(grammar=True, shared_store=True, resume=view.shared,
+                           target_region=view.shared)
 
     def prefill(self, prompt: list[int]) -> None:
         if not self.view.shared:  # a cache of its own: the prompt through E layers

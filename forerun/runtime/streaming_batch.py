@@ -17,8 +17,10 @@ kernels; the tests check it).
 Memory is the dense pool's: a member's region holds every position, as the full-cache draft's
 does (eviction would bound it; here only the cost is bounded), so rollback is setting the
 length, and the dense runtime and this view may hold members side by side in the same pool (a
-batch mixing `draft` and `magicdec` members reserves one draft pool). Chains only: no trees,
-no hidden states; static (CUDA-graph) passes are the dense runtime's alone.
+batch mixing `draft` and `magicdec` members reserves one draft pool). The pool may be the
+target's own (magicdec's `self` drafter, `forerun.propose.magicdec.SelfDraft`): the view then
+writes draft rows past a member's committed tokens, which its verify overwrites. Chains only:
+no trees, no hidden states; static (CUDA-graph) passes are the dense runtime's alone.
 """
 
 from __future__ import annotations
