@@ -59,8 +59,8 @@ class DraftClock:
 
 
 def run(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new: int,
-        clock: DraftClock) -> dict:
-    session = BatchSession(engine, KV_BUDGET, max_batch=len(prompts),
+        clock: DraftClock, kv_budget: int = KV_BUDGET) -> dict:
+    session = BatchSession(engine, kv_budget, max_batch=len(prompts),
                            prefix_cache_bytes=PREFIX_BYTES)
     seqs = [session.sequence(ids, SamplingConfig(), max_new, spec) for ids in prompts]
     clock.seconds, clock.on = 0.0, False
@@ -104,7 +104,11 @@ def main() -> None:
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=256)
-    p.add_argument("--methods", default="none,draft,magicdec")
+    p.add_argument("--methods", default="none,draft,magicdec",
+                   help="of none, draft, magicdec (the draft model drafting) and magicdec-self "
+                        "(the target drafting over its own cache)")
+    p.add_argument("--kv-gb", type=float, default=KV_BUDGET / 2**30,
+                   help="the target's KV pool, GiB (32 members of 8k need ~8)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads (0: torch's default; 1 survives other jobs' bursts)")
     p.add_argument("--out", default="out/magicdec_batch.json")
@@ -121,19 +125,22 @@ def main() -> None:
                     load=LoadConfig(args.dtype, context=context))
     specs = {"none": SpecConfig("none"), "draft": SpecConfig("draft", args.k),
              "magicdec": SpecConfig("magicdec", args.k, magicdec_sinks=args.sinks,
-                                    magicdec_window=args.window)}
+                                    magicdec_window=args.window),
+             "magicdec-self": SpecConfig("magicdec", args.k, magicdec_sinks=args.sinks,
+                                         magicdec_window=args.window, magicdec_drafter="self")}
     clock, results, by = DraftClock(), [], {}
     print(f"{args.batch} members, contexts {sorted({len(i) for i in prompts})} tokens")
-    print(f"{'method':9} {'tok/s':>6} {'x plain':>7} {'x draft':>7} {'accept':>6} {'MAL':>5} "
+    print(f"{'method':13} {'tok/s':>6} {'x plain':>7} {'x draft':>7} {'accept':>6} {'MAL':>5} "
           f"{'draft ms/tok':>12} {'prefill s':>9} {'same':>4}")
     for name in args.methods.split(","):
-        by[name] = r = run(engine, prompts, specs[name], args.max_tokens, clock)
+        by[name] = r = run(engine, prompts, specs[name], args.max_tokens, clock,
+                           int(args.kv_gb * 2**30))
         plain, draft = by.get("none"), by.get("draft")
         r.update(method=name, batch=args.batch, context=args.context,
                  speedup=r["decode_tok_s"] / plain["decode_tok_s"] if plain else None,
                  vs_draft=r["decode_tok_s"] / draft["decode_tok_s"] if draft else None,
                  identical=plain is None or r["tokens"] == plain["tokens"])
-        print(f"{name:9} {r['decode_tok_s']:6.2f} {r['speedup'] or 0:7.2f} "
+        print(f"{name:13} {r['decode_tok_s']:6.2f} {r['speedup'] or 0:7.2f} "
               f"{r['vs_draft'] or 0:7.2f} {r['acceptance']:6.2f} "
               f"{r['mean_accepted_length']:5.2f} {1000 * r['draft_s_per_token']:12.1f} "
               f"{r['prefill_s']:9.1f} {'yes' if r['identical'] else 'NO':>4}", flush=True)

@@ -9,7 +9,10 @@ over wall time (prefill included), `decode tok/s` excludes the first token. Acce
 accepted length (bonus included) and whether the output equals plain's come from the engine's
 stats. Then the draft's and the target's one-token passes after CONTEXT cached tokens,
 alternating, median of REPS (the cost a draft step adds, as a fraction of a target pass), and
-the process's resident memory before and after the draft's weights were built.
+the process's resident memory before and after the draft's weights were built. Each variant
+first runs once untimed (a warm-up, as `forerun bench`'s: the cost policy calibrates there).
+Where an output parts from plain's, plain's logit margin there is recorded (`divergence`:
+a near-tie of the runtime's batch-shape rounding, or a bug).
 
     flock /tmp/forerun-bench.lock python experiments/qspec_bench.py --runtime torch \
         --dtype bfloat16 --variants llama.cpp,torch-int8 --out out/qspec_torch.json
@@ -18,8 +21,9 @@ the process's resident memory before and after the draft's weights were built.
 
 Variants: `llama.cpp` (the target's GGUF on llama.cpp, as it is), `llama.cpp-Q2_K` (requantized
 first), `torch-int8`, `torch-w8a8`, `torch-int4` (torch targets); `Q4_0`, `Q3_K`, `Q2_K`
-(llama.cpp targets: the file requantized); `NAME:cost` runs it under the cost length policy
-(k = `--k` at most).
+(llama.cpp targets: the file requantized); `draft` (the draft model of `--draft`, the
+draft-model method, for comparison in the same run); `NAME@K` drafts K tokens a step instead
+of `--k`; `NAME:cost` runs it under the cost length policy (k = its K at most).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from forerun import Engine, LoadConfig
 from forerun.bench.workloads import sample_workloads
 from forerun.propose import PROPOSERS, SpecConfig
+from forerun.reference import divergence
 
 CONTEXT = 200  # cached tokens before the timed one-token passes (as `forerun bench curve`)
 REPS = 20
@@ -43,12 +48,15 @@ TORCH_FORMS = {"torch-int8": (8, 16), "torch-w8a8": (8, 8), "torch-int4": (4, 16
 
 
 def variant_spec(variant: str, k: int) -> SpecConfig:
-    """`NAME` or `NAME:cost` (the cost length policy, k its cap)."""
+    """`NAME[@K][:cost]` (K its draft length, default `k`; the cost length policy, K its cap)."""
     name, _, policy = variant.partition(":")
-    return replace(_spec(name, k), policy=policy or "fixed")
+    name, _, own_k = name.partition("@")
+    return replace(_spec(name, int(own_k) if own_k else k), policy=policy or "fixed")
 
 
 def _spec(name: str, k: int) -> SpecConfig:
+    if name == "draft":
+        return SpecConfig("draft", k)
     if name in TORCH_FORMS:
         bits, act = TORCH_FORMS[name]
         return SpecConfig("qspec", k, qspec_runtime="torch", qspec_bits=bits,
@@ -121,6 +129,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--variants", default="llama.cpp,torch-int8")
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--draft", default=None,
+                   help="the draft model a `draft` variant drafts with (e.g. "
+                        "qwen2.5-coder-0.5b-instruct)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--workload", action="append", default=None,
                    help="as forerun bench's (default: spec_bench:1 and editeval:3)")
@@ -132,17 +143,20 @@ def main() -> None:
     variants = args.variants.split(",")
     target = (target_copy(args.target, args.target_type, Path(args.out).parent / "targets")
               if args.target_type else args.target)
-    engine = Engine(target, None, spec=SpecConfig("none"),
+    engine = Engine(target, args.draft, spec=SpecConfig("draft" if args.draft else "none"),
                     load=LoadConfig(args.dtype, runtime=args.runtime))
     memory, costs = {}, {}
-    for name in dict.fromkeys(v.partition(":")[0] for v in variants):  # each draft once
-        before = rss_bytes()
+    for name in dict.fromkeys(v.partition(":")[0].partition("@")[0] for v in variants):
+        before = rss_bytes()  # each draft once
         start = time.perf_counter()
-        proposer = PROPOSERS["qspec"](variant_spec(name, args.k), engine.proposers)
+        spec = variant_spec(name, args.k)
+        proposer = PROPOSERS[spec.method](spec, engine.proposers)
         memory[name] = {"rss_added_mb": round((rss_bytes() - before) / 2**20),
                         "build_s": round(time.perf_counter() - start, 1)}
         costs[name] = step_costs(engine.target, proposer.runtime)
         print(name, memory[name], costs[name], flush=True)
+    for name in variants:  # untimed warm-up, as forerun bench's: the cost policy calibrates here
+        engine.generate("Say hi.", max_tokens=8, spec=variant_spec(name, args.k))
     runs = []
     for prompt in sample_workloads(args.workload or ["spec_bench:1", "editeval:3"], None, 0):
         ids = engine.tokenizer.encode_chat(list(prompt.messages))
@@ -162,9 +176,8 @@ def main() -> None:
                          / ((s.wall_s - s.ttft_s) / max(1, s.new_tokens - 1)),
                          "acceptance": s.acceptance_rate, "accepted_len": s.mean_accepted_length,
                          "same_as_plain": out.token_ids == plain.token_ids,
-                         "first_diff": next((i for i, (a, b) in enumerate(
-                             zip(out.token_ids, plain.token_ids, strict=False)) if a != b),
-                             None)}
+                         "divergence": divergence(engine.target, ids, plain.token_ids,
+                                                  out.token_ids)}
         print(json.dumps(row), flush=True)
         runs.append(row)
     record = {"args": vars(args), "threads": torch.get_num_threads(), "memory": memory,
