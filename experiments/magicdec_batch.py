@@ -13,7 +13,8 @@ acceptance, mean accepted length (1 + accepted tokens a verify pass), and the sh
 time per drafted token in that phase. "prefill s" is what comes before (the target's prompts,
 the drafter's catch-up, the first verify pass). Members finish at different passes, so the
 phase ends with fewer than N live.
-Prints a table, writes JSON.
+Prints a table, writes JSON; where a member's output parts from plain's, where and plain's
+logit margin there (a near-tie of bf16 rounding, or a bug).
 
     flock /tmp/forerun-bench.lock python experiments/magicdec_batch.py --context ctx_4k \
         --batch 8 --max-tokens 32 --threads 1 --out out/magicdec_batch.json
@@ -34,6 +35,7 @@ from forerun.bench.long_context import prompt_text, rows
 from forerun.models.load import open_model
 from forerun.propose import SpecConfig
 from forerun.propose.draft_batch import SharedDraftModel
+from forerun.reference import divergence
 from forerun.sampling import SamplingConfig
 
 ROOM = 64  # cache slots past the longest prompt + output
@@ -93,6 +95,17 @@ def run(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new: int
             "draft_s_per_token": clock.seconds / drafted if drafted else 0.0}
 
 
+def diverged(engine: Engine, prompts: list[list[int]], plain: list[list[int]],
+             other: list[list[int]], most: int = 4) -> list[dict]:
+    """The first `most` members whose output parts from plain batching's: where, and plain's
+    logit margin there, replayed on the target alone (`forerun.reference.divergence`)."""
+    out = []
+    for member, (ids, want, got) in enumerate(zip(prompts, plain, other, strict=True)):
+        if want != got and len(out) < most:
+            out.append({"member": member, **divergence(engine.target, ids, want, got)})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -140,10 +153,15 @@ def main() -> None:
                  speedup=r["decode_tok_s"] / plain["decode_tok_s"] if plain else None,
                  vs_draft=r["decode_tok_s"] / draft["decode_tok_s"] if draft else None,
                  identical=plain is None or r["tokens"] == plain["tokens"])
+        if not r["identical"]:  # where each differing member parted, plain's margin there
+            r["diverged"] = diverged(engine, prompts, plain["tokens"], r["tokens"])
         print(f"{name:13} {r['decode_tok_s']:6.2f} {r['speedup'] or 0:7.2f} "
               f"{r['vs_draft'] or 0:7.2f} {r['acceptance']:6.2f} "
               f"{r['mean_accepted_length']:5.2f} {1000 * r['draft_s_per_token']:12.1f} "
               f"{r['prefill_s']:9.1f} {'yes' if r['identical'] else 'NO':>4}", flush=True)
+        for d in r.get("diverged", []):
+            print(f"  member {d['member']}: token {d['at']}, plain {d['plain']} vs "
+                  f"{d['speculative']}, plain's logit margin {d['logit_gap']}", flush=True)
         results.append({k: v for k, v in r.items() if k != "tokens"})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
